@@ -29,6 +29,7 @@ A Case Study on TL;DR Summarization" (EOS handling, missing-EOS penalty, value m
 
 import contextlib
 import importlib.util
+import json
 import logging
 import math
 import os
@@ -37,6 +38,7 @@ import socket
 import time
 from collections import defaultdict
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Optional
 
 import datasets
@@ -45,7 +47,7 @@ import torch.nn.functional as F
 import tyro
 from accelerate import Accelerator
 from accelerate.logging import get_logger
-from accelerate.utils import GradientAccumulationPlugin, set_seed
+from accelerate.utils import InitProcessGroupKwargs, set_seed
 from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
@@ -122,6 +124,16 @@ class Args:
     """(query, response, score) rows written to tensorboard per evaluation."""
     seed: int = 1
     """Seeds python, numpy and torch; process i samples with seed + i so processes draw different rollouts."""
+    save_every: int = 0
+    """Write a checkpoint every this many updates (0: none; the final model is saved regardless)."""
+    checkpoint_dir: str = ""
+    """Where checkpoints go; empty means `<output_dir>-checkpoints`."""
+    save_total_limit: int = 2
+    """Checkpoints kept (the newest); older ones are deleted after each save."""
+    resume_from: str = ""
+    """A `checkpoint-<update>` folder or `latest`: continue that run exactly as if it had never stopped."""
+    dist_timeout_s: int = 900
+    """Seconds a process waits in a collective before giving up, so one failed process cannot hang the others."""
     log_dir: str = "runs/tensorboard"
     """Tensorboard root; this run logs under `<log_dir>/<run_name>`."""
     run_name: str = ""
@@ -131,6 +143,11 @@ class Args:
     local_batch_size: int = 0
     local_mini_batch_size: int = 0
     micro_batch_size: int = 0
+
+
+# Settings that do not change what is trained: a checkpoint may be resumed with other values for them.
+NOT_TRAINING_CONFIG = {"resume_from", "save_every", "save_total_limit", "checkpoint_dir", "run_name", "log_dir",
+                       "output_dir", "dist_timeout_s", "eval_every", "num_sample_generations"}
 
 
 def derive_sizes(args, num_processes):
@@ -405,6 +422,83 @@ def save_atomically(accelerator, model, tokenizer, output_dir, submodules=None, 
     accelerator.wait_for_everyone()
 
 
+def save_checkpoint(accelerator, checkpoint_dir, step, trainer_state, total_limit):
+    """Write `<checkpoint_dir>/checkpoint-<step>` atomically and keep only the newest `total_limit` checkpoints.
+
+    Holds `accelerator.save_state` (prepared models, optimizer, registered objects such as the LR scheduler, and the
+    RNG states of every process) plus `trainer_state.json` (`trainer_state`: step counters, anything else the loop
+    needs, and the config it was made with). Written to `checkpoint-<step>.tmp` and renamed when complete: a run
+    killed mid-write leaves the previous checkpoint as the latest one. Every process must call it.
+    """
+    final = os.path.join(checkpoint_dir, f"checkpoint-{step}")
+    tmp = final + ".tmp"
+    if accelerator.is_main_process:
+        shutil.rmtree(tmp, ignore_errors=True)
+    accelerator.wait_for_everyone()
+    accelerator.save_state(tmp)  # each process writes its own RNG state file
+    if accelerator.is_main_process:
+        with open(os.path.join(tmp, "trainer_state.json"), "w") as f:
+            json.dump(trainer_state, f, indent=2)
+    accelerator.wait_for_everyone()
+    if accelerator.is_local_main_process and os.path.isdir(tmp):  # one rename per machine if disks are not shared
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)
+        for old in list_checkpoints(checkpoint_dir)[:-total_limit]:
+            shutil.rmtree(old, ignore_errors=True)
+    accelerator.wait_for_everyone()
+
+
+def list_checkpoints(checkpoint_dir):
+    """Complete checkpoint folders (`checkpoint-<step>`, no `.tmp`) in `checkpoint_dir`, oldest first."""
+    if not os.path.isdir(checkpoint_dir):
+        return []
+    steps = [int(name.split("-")[1]) for name in os.listdir(checkpoint_dir)
+             if name.startswith("checkpoint-") and name.split("-")[1].isdigit()]
+    return [os.path.join(checkpoint_dir, f"checkpoint-{step}") for step in sorted(steps)]
+
+
+def load_checkpoint(accelerator, resume_from, checkpoint_dir, config):
+    """Restore a checkpoint into the prepared objects and return its `trainer_state` dict.
+
+    `resume_from` is a checkpoint folder or `latest` (the newest complete one in `checkpoint_dir`). Raises
+    FileNotFoundError when there is none, and ValueError when the checkpoint was made with a different `config`
+    (the settings that change what is trained), naming the settings that differ.
+    """
+    path = list_checkpoints(checkpoint_dir)[-1:] if resume_from == "latest" else [resume_from]
+    if not path or not os.path.isfile(os.path.join(path[0], "trainer_state.json")):
+        raise FileNotFoundError(f"no checkpoint to resume from at {resume_from!r} (checkpoint dir {checkpoint_dir!r});"
+                                " pass a checkpoint-<step> folder, or drop --resume_from.")
+    with open(os.path.join(path[0], "trainer_state.json")) as f:
+        state = json.load(f)
+    differ = sorted(k for k in config.keys() | state["config"].keys() if config.get(k) != state["config"].get(k))
+    if differ:
+        raise ValueError(f"checkpoint {path[0]} was made with a different config ({', '.join(differ)}); resume with "
+                         "the same settings or start a new run.")
+    accelerator.load_state(path[0])
+    logger.info(f"resumed from {path[0]}", main_process_only=True)
+    return state
+
+
+def step_indices(step, num_rows, per_device_batch_size, accumulation_steps, process_index, num_processes, seed):
+    """Row indices of this process's microbatches for optimizer step `step` (0-based): `accumulation_steps` lists
+    of `per_device_batch_size` ints.
+
+    Epoch e is a permutation of the rows seeded by `seed + e`; step s takes the s-th global batch of
+    `per_device_batch_size * accumulation_steps * num_processes` rows of it (rows left over at an epoch's end are
+    skipped) and cuts it into one microbatch per (process, accumulation slot), process-major. Which rows share a
+    microbatch then depends only on the step, not on how the global batch is spread over processes and
+    accumulation (1 process x accumulation k equals k processes x accumulation 1), and a resumed run picks up the
+    same order without any saved data-loader state.
+    """
+    global_batch = per_device_batch_size * accumulation_steps * num_processes
+    epoch, k = divmod(step, num_rows // global_batch)
+    order = torch.randperm(num_rows, generator=torch.Generator().manual_seed(seed + epoch)).tolist()
+    rows = order[k * global_batch : (k + 1) * global_batch]
+    first = process_index * accumulation_steps
+    return [rows[(first + u) * per_device_batch_size : (first + u + 1) * per_device_batch_size]
+            for u in range(accumulation_steps)]
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # PPO helpers, in the order the loop uses them
 # ---------------------------------------------------------------------------------------------------------------
@@ -596,18 +690,44 @@ def ppo_losses(new_logprobs, logprobs, advantages, new_values, values, returns, 
     return pg_loss, vf_loss, stats
 
 
-def minibatch_schedule(batch_size, num_mini_batches, num_micro_batches, epochs, generator):
-    """The PPO optimisation order: yields `(epoch, minibatch, microbatches)` once per optimizer step, where
-    `microbatches` is a list of `num_micro_batches` index tensors (long) into the `batch_size` rollouts.
+def minibatch_schedule(local_batch_size, num_mini_batches, num_micro_batches, epochs, generator,
+                       process_index=0, num_processes=1):
+    """The PPO optimisation order: yields `(epoch, minibatch, microbatches)` once per optimizer step; `microbatches`
+    is a list of `num_micro_batches` index tensors (long) into this process's `local_batch_size` rollouts.
 
-    Epoch-major: each epoch draws a fresh permutation and cuts it into minibatches, so every rollout is used once
-    per epoch and lands in different company each epoch (never B1 B1 B1 B2 ..., which would take several steps on
-    the same minibatch in a row and overfit it). `epochs * num_mini_batches` optimizer steps in all.
+    Epoch-major: every epoch draws fresh permutations, so each rollout is used once per epoch and lands in different
+    company each epoch (never B1 B1 B1 B2 ..., which would take several steps in a row on one minibatch and
+    overfit it). `epochs * num_mini_batches` optimizer steps in all.
+
+    The global batch is seen as `num_processes * num_micro_batches` contiguous columns, one per microbatch slot; each
+    column is permuted on its own and minibatch j takes slice j of every column. All processes draw all columns'
+    permutations from the same generator, in the same order, so a microbatch holds the same rollouts whether the
+    columns live on k processes (accumulation 1) or on one (accumulation k): the update does not depend on the
+    number of processes (README, "World-size invariance").
     """
+    column = local_batch_size // num_micro_batches
+    slice_size = column // num_mini_batches
     for epoch in range(epochs):
-        permutation = torch.randperm(batch_size, generator=generator)
-        for minibatch, indices in enumerate(permutation.view(num_mini_batches, -1)):
-            yield epoch, minibatch, list(indices.view(num_micro_batches, -1))
+        permutations = [torch.randperm(column, generator=generator) for _ in range(num_processes * num_micro_batches)]
+        mine = permutations[process_index * num_micro_batches : (process_index + 1) * num_micro_batches]
+        for minibatch in range(num_mini_batches):
+            yield epoch, minibatch, [perm[minibatch * slice_size : (minibatch + 1) * slice_size] + u * column
+                                     for u, perm in enumerate(mine)]
+
+
+def prompt_indices(update, num_prompts, batch_size, seed, process_index, num_processes):
+    """Indices (long) of the prompts this process answers in `update` (1-based): its slice of the global batch.
+
+    Each pass over the prompts follows a permutation seeded by `seed + pass`; the global batch of an update depends
+    only on the update number, so a resumed run, or a run on another number of processes, sees the same prompts.
+    Prompts left over at the end of a pass (fewer than a batch) are skipped.
+    """
+    per_pass = num_prompts // batch_size
+    epoch, k = divmod(update - 1, per_pass)
+    order = torch.randperm(num_prompts, generator=torch.Generator().manual_seed(seed + epoch))
+    batch = order[k * batch_size : (k + 1) * batch_size]
+    local = batch_size // num_processes
+    return batch[process_index * local : (process_index + 1) * local]
 
 
 class PolicyAndValue(torch.nn.Module):
@@ -690,11 +810,9 @@ def sample_table(rows):
 
 def main(args: Args):
     logging.basicConfig(format="%(asctime)s %(levelname)s %(message)s", level=logging.INFO)
-    # sync_with_dataloader=False: the optimizer steps after exactly `gradient_accumulation_steps` microbatches,
-    # whatever the prompt loader is doing (it is read once per update, not once per microbatch).
-    accelerator = Accelerator(log_with="tensorboard", project_dir=args.log_dir, gradient_accumulation_plugin=
-                              GradientAccumulationPlugin(num_steps=args.gradient_accumulation_steps,
-                                                         sync_with_dataloader=False))
+    accelerator = Accelerator(log_with="tensorboard", project_dir=args.log_dir,
+                              gradient_accumulation_steps=args.gradient_accumulation_steps,
+                              kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=args.dist_timeout_s))])
     args = derive_sizes(args, accelerator.num_processes)
     # Different seed per process: each process must sample different rollouts. Training stays in step across
     # processes because DDP averages gradients and every replica starts from the same weights.
@@ -720,11 +838,6 @@ def main(args: Args):
     eval_ids = encode(list(held_out["prompt"][: args.eval_prompts]))
     eval_ids = eval_ids[accelerator.process_index :: accelerator.num_processes]
     eval_queries = left_pad(eval_ids, tokenizer.pad_token_id, args.query_length)
-    # The DataLoader gives each process its own `local_batch_size` prompts per update; shuffle order comes from a
-    # seeded generator so that it is the same on every process (accelerate then shards it).
-    loader = torch.utils.data.DataLoader(train_ids, batch_size=args.local_batch_size, shuffle=True, drop_last=True,
-                                         collate_fn=lambda b: left_pad(b, tokenizer.pad_token_id, args.query_length),
-                                         generator=torch.Generator().manual_seed(args.seed))
     stop_token_id = tokenizer.eos_token_id if args.stop_token == "eos" else None
 
     # --- models: policy and ref from SFT, value and reward from the RM; dropout off in all four -------------------
@@ -742,7 +855,8 @@ def main(args: Args):
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 - step / total_steps)
     # The scheduler is not prepared: it is stepped by hand once per optimizer step (accelerate would step it once
     # per process).
-    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    accelerator.register_for_checkpointing(scheduler)
     ref_policy, reward_model = ref_policy.to(device), reward_model.to(device)
     unwrapped = accelerator.unwrap_model(model)
     models = (unwrapped.policy, ref_policy, unwrapped.value_model, reward_model)
@@ -759,22 +873,26 @@ def main(args: Args):
             writer.add_text("eval/samples", sample_table(rows), update)
         return metrics
 
-    kl_coef = args.kl_coef
     (E, M, U) = args.ppo_epochs, args.num_mini_batches, args.gradient_accumulation_steps
     context_length = args.query_length
-    # Every process shuffles with the same seed: minibatch composition is then reproducible for any process count.
-    shuffle_generator = torch.Generator().manual_seed(args.seed)
-    data = iter(())
-    start_metrics, history = log_eval(0), []
-    progress = tqdm(total=args.num_updates, desc="ppo", disable=not accelerator.is_local_main_process)
-    for update in range(1, args.num_updates + 1):
+    checkpoint_dir = args.checkpoint_dir or args.output_dir.rstrip("/") + "-checkpoints"
+    config = {k: v for k, v in vars(args).items() if k not in NOT_TRAINING_CONFIG}
+    config["num_processes"] = accelerator.num_processes
+    if args.resume_from:  # models, optimizer, scheduler and every process's RNG come back as they were saved
+        state = load_checkpoint(accelerator, args.resume_from, checkpoint_dir, config)
+        first_update, kl_coef, start_metrics = state["update"] + 1, state["kl_coef"], state["start_metrics"]
+    else:
+        first_update, kl_coef, start_metrics = 1, args.kl_coef, log_eval(0)
+    history, last_stats = [], {}
+    progress = tqdm(total=args.num_updates, initial=first_update - 1, desc="ppo",
+                    disable=not accelerator.is_local_main_process)
+    for update in range(first_update, args.num_updates + 1):
         timer = {"start": time.perf_counter()}
         # --- (1) rollout ---------------------------------------------------------------------------------------
-        try:
-            query_ids, query_mask = next(data)
-        except StopIteration:  # a new pass over the prompts, in a new order
-            data = iter(loader)
-            query_ids, query_mask = next(data)
+        batch = prompt_indices(update, len(train_ids), args.batch_size, args.seed, accelerator.process_index,
+                               accelerator.num_processes)
+        query_ids, query_mask = (t.to(device) for t in left_pad([train_ids[i] for i in batch], tokenizer.pad_token_id,
+                                                                args.query_length))
         responses = rollout(unwrapped.policy, query_ids, query_mask, args, stop_token_id, tokenizer.pad_token_id)
         timer["generation"] = time.perf_counter()
 
@@ -812,7 +930,10 @@ def main(args: Args):
         query_responses = torch.cat([query_ids, responses], 1)
         attention_mask = torch.cat([query_mask, response_mask], 1)
         stats = defaultdict(lambda: torch.zeros(E, M, U, 2, device=device))
-        schedule = minibatch_schedule(args.local_batch_size, M, U, E, shuffle_generator)
+        # Same seed on every process (see minibatch_schedule), a new one every update.
+        shuffle_generator = torch.Generator().manual_seed(args.seed * 100_003 + update)
+        schedule = minibatch_schedule(args.local_batch_size, M, U, E, shuffle_generator, accelerator.process_index,
+                                      accelerator.num_processes)
         for epoch, mb, microbatches in schedule:
             for micro, idx in enumerate(microbatches):
                 idx = idx.to(device)
@@ -859,7 +980,8 @@ def main(args: Args):
             if name in ("objective/scores", "objective/kl", "ppo/returns/mean"):
                 metrics[name.replace("/mean", "") + "_std" if "/mean" in name else name + "_std"] = var.sqrt()
         reduced = accelerator.reduce(torch.stack(list(stats.values())), reduction="sum")  # (stats, E, M, U, 2)
-        for name, table in zip(stats, reduced):
+        last_stats = {name: table.cpu() for name, table in zip(stats, reduced)}
+        for name, table in last_stats.items():
             if name == "policy/max_abs_log_ratio":
                 continue
             metrics[f"ppo/{name}_avg"] = table[..., 0].sum() / table[..., 1].sum()
@@ -887,6 +1009,9 @@ def main(args: Args):
             kl_coef *= 1 + error * args.batch_size / args.kl_horizon
         if update % args.eval_every == 0 and update != args.num_updates:
             log_eval(update)
+        if args.save_every and update % args.save_every == 0:
+            save_checkpoint(accelerator, checkpoint_dir, update, {"update": update, "kl_coef": kl_coef,
+                            "start_metrics": start_metrics, "config": config}, args.save_total_limit)
     progress.close()
     end_metrics = log_eval(args.num_updates)
     logger.info(f"held-out score {start_metrics['eval/scores']:.3f} -> {end_metrics['eval/scores']:.3f}, "
@@ -901,8 +1026,12 @@ def main(args: Args):
     # Returned for scripts and tests that call main(): held-out metrics before and after, every update's metrics,
     # and the last update's per-(epoch, minibatch, microbatch) statistics as (sum, count) tables.
     return {"start": start_metrics, "end": end_metrics, "history": history,
-            "last_stats": {name: table.cpu() for name, table in zip(stats, reduced)}}
+            "last_stats": last_stats}
 
 
 if __name__ == "__main__":
-    main(tyro.cli(Args))
+    cli_args = tyro.cli(Args)
+    try:
+        main(cli_args)
+    except (ValueError, FileNotFoundError, FloatingPointError) as error:  # bad input or a diverged run: one line
+        raise SystemExit(f"error: {error}")

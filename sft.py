@@ -24,6 +24,7 @@ Summarization" (loss on completion tokens only, EOS handling when pad == eos).
 
 import contextlib
 import importlib.util
+import json
 import logging
 import math
 import os
@@ -31,6 +32,7 @@ import shutil
 import socket
 import time
 from dataclasses import dataclass
+from datetime import timedelta
 
 import datasets
 import torch
@@ -38,7 +40,7 @@ import torch.nn.functional as F
 import tyro
 from accelerate import Accelerator
 from accelerate.logging import get_logger
-from accelerate.utils import set_seed
+from accelerate.utils import InitProcessGroupKwargs, set_seed
 from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer, get_scheduler
 
@@ -83,11 +85,26 @@ class Args:
     num_sample_generations: int = 4
     """Held-out prompts whose greedy completions are written to tensorboard at each evaluation."""
     seed: int = 1
-    """Seeds python, numpy and torch on every process (accelerate's `set_seed`)."""
+    """Seeds python, numpy and torch on every process (accelerate's `set_seed`) and the data order."""
+    save_every: int = 0
+    """Write a checkpoint every this many optimizer steps (0: none; the final model is saved regardless)."""
+    checkpoint_dir: str = ""
+    """Where checkpoints go; empty means `<output_dir>-checkpoints`."""
+    save_total_limit: int = 2
+    """Checkpoints kept (the newest); older ones are deleted after each save."""
+    resume_from: str = ""
+    """A `checkpoint-<step>` folder or `latest`: continue that run exactly as if it had never stopped."""
+    dist_timeout_s: int = 900
+    """Seconds a process waits in a collective before giving up, so one failed process cannot hang the others."""
     log_dir: str = "runs/tensorboard"
     """Tensorboard root; this run logs under `<log_dir>/<run_name>`."""
     run_name: str = ""
     """Run folder name under `log_dir`; empty means `sft_<seed>_<unix time>`."""
+
+
+# Settings that do not change what is trained: a checkpoint may be resumed with other values for them.
+NOT_TRAINING_CONFIG = {"resume_from", "save_every", "save_total_limit", "checkpoint_dir", "run_name", "log_dir",
+                       "output_dir", "dist_timeout_s", "eval_every", "num_sample_generations"}
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -335,6 +352,83 @@ def save_atomically(accelerator, model, tokenizer, output_dir, submodules=None, 
     accelerator.wait_for_everyone()
 
 
+def save_checkpoint(accelerator, checkpoint_dir, step, trainer_state, total_limit):
+    """Write `<checkpoint_dir>/checkpoint-<step>` atomically and keep only the newest `total_limit` checkpoints.
+
+    Holds `accelerator.save_state` (prepared models, optimizer, registered objects such as the LR scheduler, and the
+    RNG states of every process) plus `trainer_state.json` (`trainer_state`: step counters, anything else the loop
+    needs, and the config it was made with). Written to `checkpoint-<step>.tmp` and renamed when complete: a run
+    killed mid-write leaves the previous checkpoint as the latest one. Every process must call it.
+    """
+    final = os.path.join(checkpoint_dir, f"checkpoint-{step}")
+    tmp = final + ".tmp"
+    if accelerator.is_main_process:
+        shutil.rmtree(tmp, ignore_errors=True)
+    accelerator.wait_for_everyone()
+    accelerator.save_state(tmp)  # each process writes its own RNG state file
+    if accelerator.is_main_process:
+        with open(os.path.join(tmp, "trainer_state.json"), "w") as f:
+            json.dump(trainer_state, f, indent=2)
+    accelerator.wait_for_everyone()
+    if accelerator.is_local_main_process and os.path.isdir(tmp):  # one rename per machine if disks are not shared
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)
+        for old in list_checkpoints(checkpoint_dir)[:-total_limit]:
+            shutil.rmtree(old, ignore_errors=True)
+    accelerator.wait_for_everyone()
+
+
+def list_checkpoints(checkpoint_dir):
+    """Complete checkpoint folders (`checkpoint-<step>`, no `.tmp`) in `checkpoint_dir`, oldest first."""
+    if not os.path.isdir(checkpoint_dir):
+        return []
+    steps = [int(name.split("-")[1]) for name in os.listdir(checkpoint_dir)
+             if name.startswith("checkpoint-") and name.split("-")[1].isdigit()]
+    return [os.path.join(checkpoint_dir, f"checkpoint-{step}") for step in sorted(steps)]
+
+
+def load_checkpoint(accelerator, resume_from, checkpoint_dir, config):
+    """Restore a checkpoint into the prepared objects and return its `trainer_state` dict.
+
+    `resume_from` is a checkpoint folder or `latest` (the newest complete one in `checkpoint_dir`). Raises
+    FileNotFoundError when there is none, and ValueError when the checkpoint was made with a different `config`
+    (the settings that change what is trained), naming the settings that differ.
+    """
+    path = list_checkpoints(checkpoint_dir)[-1:] if resume_from == "latest" else [resume_from]
+    if not path or not os.path.isfile(os.path.join(path[0], "trainer_state.json")):
+        raise FileNotFoundError(f"no checkpoint to resume from at {resume_from!r} (checkpoint dir {checkpoint_dir!r});"
+                                " pass a checkpoint-<step> folder, or drop --resume_from.")
+    with open(os.path.join(path[0], "trainer_state.json")) as f:
+        state = json.load(f)
+    differ = sorted(k for k in config.keys() | state["config"].keys() if config.get(k) != state["config"].get(k))
+    if differ:
+        raise ValueError(f"checkpoint {path[0]} was made with a different config ({', '.join(differ)}); resume with "
+                         "the same settings or start a new run.")
+    accelerator.load_state(path[0])
+    logger.info(f"resumed from {path[0]}", main_process_only=True)
+    return state
+
+
+def step_indices(step, num_rows, per_device_batch_size, accumulation_steps, process_index, num_processes, seed):
+    """Row indices of this process's microbatches for optimizer step `step` (0-based): `accumulation_steps` lists
+    of `per_device_batch_size` ints.
+
+    Epoch e is a permutation of the rows seeded by `seed + e`; step s takes the s-th global batch of
+    `per_device_batch_size * accumulation_steps * num_processes` rows of it (rows left over at an epoch's end are
+    skipped) and cuts it into one microbatch per (process, accumulation slot), process-major. Which rows share a
+    microbatch then depends only on the step, not on how the global batch is spread over processes and
+    accumulation (1 process x accumulation k equals k processes x accumulation 1), and a resumed run picks up the
+    same order without any saved data-loader state.
+    """
+    global_batch = per_device_batch_size * accumulation_steps * num_processes
+    epoch, k = divmod(step, num_rows // global_batch)
+    order = torch.randperm(num_rows, generator=torch.Generator().manual_seed(seed + epoch)).tolist()
+    rows = order[k * global_batch : (k + 1) * global_batch]
+    first = process_index * accumulation_steps
+    return [rows[(first + u) * per_device_batch_size : (first + u + 1) * per_device_batch_size]
+            for u in range(accumulation_steps)]
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # SFT-specific helpers
 # ---------------------------------------------------------------------------------------------------------------
@@ -406,9 +500,11 @@ def generate_samples(model, tokenizer, prompts, max_length):
 def main(args: Args):
     logging.basicConfig(format="%(asctime)s %(levelname)s %(message)s", level=logging.INFO)
     accelerator = Accelerator(gradient_accumulation_steps=args.gradient_accumulation_steps, log_with="tensorboard",
-                              project_dir=args.log_dir)
+                              project_dir=args.log_dir,
+                              kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=args.dist_timeout_s))])
     set_seed(args.seed)
     run_name = args.run_name or f"sft_{args.seed}_{int(time.time())}"
+    (U, rank, world) = args.gradient_accumulation_steps, accelerator.process_index, accelerator.num_processes
 
     # --- 1. data: load, check columns, tokenize ------------------------------------------------------------------
     tokenizer = load_tokenizer(args.model_name_or_path)
@@ -416,34 +512,36 @@ def main(args: Args):
     if "completion" not in train.column_names and "chosen" in train.column_names:
         train, held_out = train.rename_column("chosen", "completion"), held_out.rename_column("chosen", "completion")
     require_columns(train, ["prompt", "completion"], args.dataset_name)
-    global_batch = args.per_device_train_batch_size * args.gradient_accumulation_steps * accelerator.num_processes
+    global_batch = args.per_device_train_batch_size * U * world
     if len(train) < global_batch:
         raise ValueError(f"dataset {args.dataset_name!r} has {len(train)} training rows, fewer than one global batch "
                          f"({global_batch}); lower --per_device_train_batch_size or add data.")
+    if len(held_out) == 0:
+        raise ValueError(f"dataset {args.dataset_name!r} has an empty held-out split; add rows or a `test` split.")
     held_out = held_out.select(range(min(args.eval_samples, len(held_out))))
 
     def encode(rows):
         return [tokenize_sft(p, c, tokenizer, args.max_prompt_length, args.max_length)
                 for p, c in zip(rows["prompt"], rows["completion"])]
 
+    train_rows = encode(train)
     collate = lambda examples: collate_sft(examples, tokenizer.pad_token_id)  # noqa: E731
-    # A seeded generator makes the shuffle order part of the run's seed (and identical on every process).
-    train_loader = torch.utils.data.DataLoader(encode(train), batch_size=args.per_device_train_batch_size,
-                                               shuffle=True, collate_fn=collate,
-                                               generator=torch.Generator().manual_seed(args.seed))
-    eval_loader = torch.utils.data.DataLoader(encode(held_out), batch_size=args.per_device_train_batch_size,
-                                              collate_fn=collate)
+    # Each process evaluates every world-th held-out row; sums and counts are reduced across processes.
+    eval_loader = torch.utils.data.DataLoader(encode(held_out)[rank::world],
+                                              batch_size=args.per_device_train_batch_size, collate_fn=collate)
 
     # --- 2. model, optimizer, schedule ------------------------------------------------------------------------------
     model = load_model(args.model_name_or_path, AutoModelForCausalLM)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)
     scheduler = get_scheduler("linear", optimizer, num_warmup_steps=math.ceil(args.warmup_ratio * args.max_steps),
                               num_training_steps=args.max_steps)
-    model, optimizer, train_loader, eval_loader, scheduler = accelerator.prepare(
-        model, optimizer, train_loader, eval_loader, scheduler)
+    # The scheduler is stepped by hand once per optimizer step, so it is not prepared (accelerate would step it
+    # once per process); it is registered so that checkpoints hold it.
+    model, optimizer = accelerator.prepare(model, optimizer)
+    accelerator.register_for_checkpointing(scheduler)
     accelerator.init_trackers(run_name, config=vars(args))
     writer = accelerator.get_tracker("tensorboard").tracker if accelerator.is_main_process else None
-    prompts = held_out["prompt"][: args.num_sample_generations]
+    prompts = list(held_out["prompt"][: args.num_sample_generations])
 
     def log_eval(step):
         eval_loss = evaluate(accelerator, model, eval_loader)
@@ -456,35 +554,44 @@ def main(args: Args):
             writer.add_text("samples", table, step)
 
     # --- 3. train -----------------------------------------------------------------------------------------------------
-    log_eval(0)
+    checkpoint_dir = args.checkpoint_dir or args.output_dir.rstrip("/") + "-checkpoints"
+    config = {k: v for k, v in vars(args).items() if k not in NOT_TRAINING_CONFIG}
+    config["num_processes"] = world
+    if args.resume_from:  # model, optimizer, scheduler and RNG states come back as they were saved
+        step = load_checkpoint(accelerator, args.resume_from, checkpoint_dir, config)["step"]
+    else:
+        step = 0
+        log_eval(0)
     model.train()
-    step, loss_sum, token_sum = 0, 0.0, 0.0
-    progress = tqdm(total=args.max_steps, desc="sft", disable=not accelerator.is_local_main_process)
+    progress = tqdm(total=args.max_steps, initial=step, desc="sft", disable=not accelerator.is_local_main_process)
     while step < args.max_steps:
-        for batch in train_loader:
+        totals = torch.zeros(2, device=accelerator.device)  # (loss sum, completion tokens) of this step
+        for idx in step_indices(step, len(train_rows), args.per_device_train_batch_size, U, rank, world, args.seed):
+            batch = {k: v.to(accelerator.device) for k, v in collate([train_rows[i] for i in idx]).items()}
             with accelerator.accumulate(model):
                 batch_loss, n_tokens = completion_loss(model, batch)
-                # Mean over this microbatch's completion tokens; accumulation then averages microbatches.
+                if not torch.isfinite(batch_loss):
+                    raise FloatingPointError(f"step {step + 1}: non-finite SFT loss.")
+                # Mean over this microbatch's completion tokens; backward() divides by U, so the accumulated
+                # gradient is the mean over the step's microbatches (and DDP averages over processes).
                 accelerator.backward(batch_loss / n_tokens.clamp(min=1))
                 if accelerator.sync_gradients:
                     accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
-                optimizer.step()
-                scheduler.step()
+                optimizer.step()  # a no-op until the U-th microbatch
                 optimizer.zero_grad()
-            loss_sum, token_sum = loss_sum + batch_loss.detach(), token_sum + n_tokens
-            if not accelerator.sync_gradients:
-                continue
-            step += 1
-            progress.update(1)
-            totals = accelerator.reduce(torch.stack([loss_sum, token_sum]), reduction="sum")
-            train_loss = (totals[0] / totals[1]).item()
-            accelerator.log({"train/loss": train_loss, "train/lr": scheduler.get_last_lr()[0]}, step=step)
-            progress.set_postfix(loss=f"{train_loss:.3f}")
-            loss_sum, token_sum = 0.0, 0.0
-            if step % args.eval_every == 0 or step == args.max_steps:
-                log_eval(step)
-            if step == args.max_steps:
-                break
+            totals += torch.stack([batch_loss.detach(), n_tokens])
+        scheduler.step()
+        step += 1
+        progress.update(1)
+        totals = accelerator.reduce(totals, reduction="sum")
+        train_loss = (totals[0] / totals[1].clamp(min=1)).item()
+        accelerator.log({"train/loss": train_loss, "train/lr": scheduler.get_last_lr()[0]}, step=step)
+        progress.set_postfix(loss=f"{train_loss:.3f}")
+        if step % args.eval_every == 0 or step == args.max_steps:
+            log_eval(step)
+        if args.save_every and step % args.save_every == 0:
+            save_checkpoint(accelerator, checkpoint_dir, step, {"step": step, "config": config},
+                            args.save_total_limit)
     progress.close()
 
     # --- 4. save ------------------------------------------------------------------------------------------------------
@@ -494,4 +601,8 @@ def main(args: Args):
 
 
 if __name__ == "__main__":
-    main(tyro.cli(Args))
+    cli_args = tyro.cli(Args)
+    try:
+        main(cli_args)
+    except (ValueError, FileNotFoundError, FloatingPointError) as error:  # bad input or a diverged run: one line
+        raise SystemExit(f"error: {error}")

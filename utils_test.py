@@ -153,6 +153,26 @@ def test_minibatch_schedule_is_epoch_major_and_reshuffled():
     assert all(len(m) == 2 and all(len(i) == 2 for i in m) for _, _, m in micro)
 
 
+def test_minibatch_schedule_is_world_size_invariant():
+    """1 process x 2 microbatches and 2 processes x 1 microbatch put the same rollouts in each microbatch."""
+    one = list(ppo.minibatch_schedule(8, 2, 2, 2, torch.Generator().manual_seed(3)))
+    two = [list(ppo.minibatch_schedule(4, 2, 1, 2, torch.Generator().manual_seed(3), rank, 2)) for rank in (0, 1)]
+    for step, (epoch, mb, micros) in enumerate(one):
+        for rank in (0, 1):
+            e, m, (idx,) = two[rank][step]
+            assert (e, m) == (epoch, mb)
+            assert (idx + 4 * rank).tolist() == micros[rank].tolist()  # rank r holds global rollouts 4r..4r+3
+
+
+def test_prompt_order_depends_only_on_the_update():
+    n, batch = 50, 8
+    seen = torch.cat([ppo.prompt_indices(u, n, batch, 0, 0, 1) for u in range(1, 7)])
+    assert len(set(seen.tolist())) == 48  # one pass of 6 updates: no prompt twice
+    split = torch.cat([ppo.prompt_indices(3, n, batch, 0, r, 2) for r in (0, 1)])
+    assert split.tolist() == ppo.prompt_indices(3, n, batch, 0, 0, 1).tolist()
+    assert ppo.prompt_indices(7, n, batch, 0, 0, 1).tolist() != ppo.prompt_indices(1, n, batch, 0, 0, 1).tolist()
+
+
 def test_padding_side_conversion_keeps_token_order():
     ids = torch.tensor([[5, 6, 7, 0, 0], [8, 9, 0, 0, 0], [1, 2, 3, 4, 5]])
     mask = (ids != 0).long()
