@@ -14,7 +14,7 @@ One update:
 
 Run it (defaults read `sft.py`'s and `reward.py`'s default outputs):
     python ppo.py                                           # CPU, default offline config (SmolLM2-135M, IMDB)
-    accelerate launch --cpu --num_processes 2 --multi_gpu ppo.py   # 2 CPU processes (gloo)
+    accelerate launch --multi_gpu --num_processes 2 ppo.py  # 2 processes; on a machine without GPUs: gloo, CPU
     accelerate launch ppo.py                                # 1 GPU
     accelerate launch --config_file configs/multi_gpu.yaml ppo.py        # 8 GPUs, DDP
     accelerate launch --config_file configs/deepspeed_zero2.yaml ppo.py  # 8 GPUs, ZeRO-2

