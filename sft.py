@@ -475,7 +475,7 @@ def completion_loss(model, batch):
 
 
 @torch.no_grad()
-def evaluate(accelerator, model, eval_loader):
+def evaluate_sft(accelerator, model, eval_loader):
     """Token-weighted mean completion loss over the whole held-out set, reduced over all processes."""
     model.eval()
     totals = torch.zeros(2, device=accelerator.device)
@@ -545,7 +545,7 @@ def main(args: Args):
     prompts = list(held_out["prompt"][: args.num_sample_generations])
 
     def log_eval(step):
-        eval_loss = evaluate(accelerator, model, eval_loader)
+        eval_loss = evaluate_sft(accelerator, model, eval_loader)
         accelerator.log({"eval/loss": eval_loss}, step=step)
         logger.info(f"step {step}: eval loss {eval_loss:.4f}", main_process_only=True)
         if writer is not None and prompts:

