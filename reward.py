@@ -4,11 +4,11 @@ The SFT model gets a scalar head (`score`: hidden state -> one number) and learn
 prompt x and two replies, the preferred one (y_c, "chosen") should score higher than the other (y_r, "rejected").
 The loss is the Bradley-Terry negative log-likelihood -log sigmoid(r(x, y_c) - r(x, y_r)). A sequence is scored at
 its last real token (the EOS that ends the reply), found from the attention mask, never by comparing ids with
-`pad_token_id` (SmolLM2 pads with EOS). Sequences are built as in sft.py, prompt + reply + EOS, which is what
-`ppo.py` will score; `ppo.py` copies `get_reward` from this file.
+`pad_token_id` (SmolLM2 pads with EOS). Sequences are built as in sft.py, prompt + reply + EOS, the shape of what
+`ppo.py` will score, with an identical copy of `get_reward`.
 
 After training, the scores are shifted so that held-out SFT-distribution text (the chosen and the rejected replies:
-for IMDB both are continuations of the kind the SFT model writes) scores 0 on average. The shift is saved as
+for IMDB both are review endings, the kind of text the SFT model writes) scores 0 on average. The shift is saved as
 `reward_bias` in config.json and added by `get_reward`, so PPO starts with rewards centred at 0.
 
 Default task (offline): the IMDB pairs of `build_imdb("rm")`: the closing words of a positive review are chosen over
@@ -179,7 +179,12 @@ def load_tokenizer(name_or_path):
     tokenizer has neither a pad nor an EOS token.
     """
     source, gguf_file = resolve_model_source(name_or_path)
-    tokenizer = AutoTokenizer.from_pretrained(source, gguf_file=gguf_file)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(source, gguf_file=gguf_file)
+    except Exception as error:  # the gguf reader's own errors say little about what is wrong
+        if gguf_file is None:
+            raise
+        raise ValueError(f"{name_or_path!r} is not a readable GGUF model ({str(error).splitlines()[0]}).") from error
     if tokenizer.pad_token is None:
         if tokenizer.eos_token is None:
             raise ValueError(f"tokenizer of {name_or_path!r} has no pad and no EOS token; add a pad token to it.")

@@ -162,7 +162,12 @@ def load_tokenizer(name_or_path):
     tokenizer has neither a pad nor an EOS token.
     """
     source, gguf_file = resolve_model_source(name_or_path)
-    tokenizer = AutoTokenizer.from_pretrained(source, gguf_file=gguf_file)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(source, gguf_file=gguf_file)
+    except Exception as error:  # the gguf reader's own errors say little about what is wrong
+        if gguf_file is None:
+            raise
+        raise ValueError(f"{name_or_path!r} is not a readable GGUF model ({str(error).splitlines()[0]}).") from error
     if tokenizer.pad_token is None:
         if tokenizer.eos_token is None:
             raise ValueError(f"tokenizer of {name_or_path!r} has no pad and no EOS token; add a pad token to it.")

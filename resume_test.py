@@ -1,0 +1,261 @@
+"""Resume, world-size invariance and bad input, tested on real processes with a tiny random model.
+
+    python -m pytest resume_test.py
+
+- a run SIGKILLed after a checkpoint and resumed with `--resume_from latest` ends with the same parameters and logs
+  the same metrics as a run never stopped (sft.py, reward.py, ppo.py);
+- a kill during a checkpoint write leaves the previous checkpoint usable;
+- 1 process with gradient accumulation 2 takes the same step as 2 processes (gloo) with accumulation 1;
+- bad input stops before any work with one `error: ...` line, a non-zero exit, and no output folder.
+"""
+
+import glob
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from utils_test import tiny_model_dir  # noqa: F401  (pytest fixture)
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+TIMEOUT = 600
+
+
+def run(args, env=None, check=True):
+    """Run a command in the project folder; returns the CompletedProcess (stdout+stderr in .stdout)."""
+    proc = subprocess.run(args, cwd=HERE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                          timeout=TIMEOUT, env={**os.environ, **(env or {})})
+    if check and proc.returncode != 0:
+        raise AssertionError(f"{' '.join(args)} failed ({proc.returncode}):\n{proc.stdout[-3000:]}")
+    return proc
+
+
+def kill_when(args, ready):
+    """Start `args`, SIGKILL it as soon as `ready()` is true; returns the exit code (-9 if it was killed)."""
+    proc = subprocess.Popen(args, cwd=HERE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + TIMEOUT
+    while proc.poll() is None and time.time() < deadline:
+        if ready():
+            proc.send_signal(signal.SIGKILL)
+            break
+        time.sleep(0.02)
+    return proc.wait(timeout=60)
+
+
+def scalars(log_dir, run_name, steps):
+    """{tag: {step: value}} for the given steps of a tensorboard run, without wall-clock `time/*` tags."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(os.path.join(log_dir, run_name), size_guidance={"scalars": 0})
+    acc.Reload()
+    return {tag: {e.step: e.value for e in acc.Scalars(tag) if e.step in steps}
+            for tag in acc.Tags()["scalars"] if not tag.startswith("time/")}
+
+
+def assert_same_weights(dir_a, dir_b, atol):
+    a, b = load_file(os.path.join(dir_a, "model.safetensors")), load_file(os.path.join(dir_b, "model.safetensors"))
+    assert a.keys() == b.keys()
+    for key in a:
+        torch.testing.assert_close(a[key], b[key], atol=atol, rtol=0, msg=f"{key} differs")
+
+
+@pytest.fixture(scope="module")
+def tiny_rm_dir(tiny_model_dir, tmp_path_factory):  # noqa: F811
+    """The tiny model with a (random) scalar head: a reward model for ppo.py."""
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    folder = str(tmp_path_factory.mktemp("tiny_rm"))
+    AutoModelForSequenceClassification.from_pretrained(tiny_model_dir, num_labels=1).save_pretrained(folder)
+    AutoTokenizer.from_pretrained(tiny_model_dir).save_pretrained(folder)
+    return folder
+
+
+def stage_command(stage, model_dir, rm_dir, out, run_name, extra=()):
+    """The command line of a tiny 6-step (6-update) run of `stage`."""
+    common = ["--output_dir", out, "--log_dir", os.path.join(os.path.dirname(out), "tb"), "--run_name", run_name]
+    if stage == "ppo":
+        return [sys.executable, "ppo.py", "--sft_model_path", model_dir, "--reward_model_path", rm_dir,
+                "--total_episodes", "48", "--batch_size", "8", "--num_mini_batches", "2",
+                "--gradient_accumulation_steps", "1", "--ppo_epochs", "2", "--query_length", "12",
+                "--response_length", "6", "--eval_prompts", "4", "--eval_every", "100",
+                "--local_rollout_forward_batch_size", "8", *common, *extra]
+    return [sys.executable, f"{stage}.py", "--model_name_or_path", model_dir, "--max_steps", "6",
+            "--per_device_train_batch_size", "4", "--eval_every", "100", "--eval_samples", "8", *common, *extra]
+
+
+@pytest.mark.parametrize("stage", ["sft", "reward", "ppo"])
+def test_kill_and_resume_equals_uninterrupted(stage, tiny_model_dir, tiny_rm_dir, tmp_path):  # noqa: F811
+    straight, killed = str(tmp_path / "straight"), str(tmp_path / "killed")
+    run(stage_command(stage, tiny_model_dir, tiny_rm_dir, straight, "straight"))
+    checkpoints = killed + "-checkpoints"
+    code = kill_when(stage_command(stage, tiny_model_dir, tiny_rm_dir, killed, "killed", ["--save_every", "3"]),
+                     lambda: os.path.isdir(os.path.join(checkpoints, "checkpoint-3")))
+    assert code == -signal.SIGKILL, "the run ended before it could be killed"
+    assert not os.path.exists(killed)  # no final output from a killed run
+    run(stage_command(stage, tiny_model_dir, tiny_rm_dir, killed, "resumed",
+                      ["--save_every", "3", "--resume_from", "latest"]))
+    assert_same_weights(straight, killed, atol=1e-6)
+    if stage == "ppo":
+        assert_same_weights(os.path.join(straight, "value_model"), os.path.join(killed, "value_model"), atol=1e-6)
+    log_dir = str(tmp_path / "tb")
+    want, got = scalars(log_dir, "straight", {4, 5, 6}), scalars(log_dir, "resumed", {4, 5, 6})
+    compared = 0
+    for tag, values in got.items():
+        for step, value in values.items():
+            assert want[tag][step] == pytest.approx(value, abs=1e-6, rel=1e-6), f"{tag} at step {step}"
+            compared += 1
+    assert compared >= 3  # the resumed run logged steps 4-6
+
+
+def test_kill_during_checkpoint_write_keeps_the_previous_one(tiny_model_dir, tiny_rm_dir, tmp_path):  # noqa: F811
+    straight, killed = str(tmp_path / "straight"), str(tmp_path / "killed")
+    checkpoints = killed + "-checkpoints"
+    run(stage_command("sft", tiny_model_dir, tiny_rm_dir, straight, "straight"))
+
+    def writing_second():  # checkpoint-1 is complete and a later one is being written
+        return os.path.isdir(os.path.join(checkpoints, "checkpoint-1")) and glob.glob(os.path.join(checkpoints, "*.tmp"))
+
+    code = kill_when(stage_command("sft", tiny_model_dir, tiny_rm_dir, killed, "killed", ["--save_every", "1"]),
+                     writing_second)
+    assert code == -signal.SIGKILL
+    complete = [p for p in glob.glob(os.path.join(checkpoints, "checkpoint-*")) if not p.endswith(".tmp")]
+    assert complete  # the earlier checkpoint survived the kill
+    run(stage_command("sft", tiny_model_dir, tiny_rm_dir, killed, "resumed",
+                      ["--save_every", "1", "--resume_from", "latest"]))
+    assert_same_weights(straight, killed, atol=1e-6)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# 1 process x accumulation 2 == 2 processes x accumulation 1
+# ---------------------------------------------------------------------------------------------------------------
+def launch(num_processes, args):
+    """`accelerate launch` on CPU (gloo) with `num_processes` processes."""
+    port = str(29500 + os.getpid() % 1000)
+    launcher = [sys.executable, "-m", "accelerate.commands.launch", "--num_machines", "1", "--mixed_precision", "no",
+                "--dynamo_backend", "no", "--num_processes", str(num_processes), "--main_process_port", port]
+    if num_processes > 1:
+        launcher.append("--multi_gpu")
+    return run(launcher + args, env={"ACCELERATE_USE_CPU": "true"})
+
+
+@pytest.mark.parametrize("stage", ["sft", "reward"])
+def test_one_process_accumulating_equals_two_processes(stage, tiny_model_dir, tiny_rm_dir, tmp_path):  # noqa: F811
+    outs = {}
+    for processes, accumulation in [(1, 2), (2, 1)]:
+        out = str(tmp_path / f"p{processes}")
+        cmd = stage_command(stage, tiny_model_dir, tiny_rm_dir, out, f"p{processes}",
+                            ["--gradient_accumulation_steps", str(accumulation), "--learning_rate", "1e-3"])
+        cmd = [c for c in cmd[1:]]  # drop the interpreter: accelerate launch starts the script
+        cmd[cmd.index("--max_steps") + 1] = "2"
+        launch(processes, cmd)
+        outs[processes] = out
+    assert_same_weights(outs[1], outs[2], atol=1e-5)
+    before = load_file(os.path.join(tiny_model_dir, "model.safetensors"))
+    after = load_file(os.path.join(outs[1], "model.safetensors"))
+    assert any((before[k] - after[k]).abs().max() > 1e-4 for k in before if k in after)  # it did train
+
+
+PPO_UPDATE_SCRIPT = r'''
+import json, sys, torch
+sys.path.insert(0, sys.argv[1])
+import ppo
+from accelerate import Accelerator
+from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+model_dir, rm_dir, out, accumulation = sys.argv[2], sys.argv[3], sys.argv[4], int(sys.argv[5])
+accelerator = Accelerator(gradient_accumulation_steps=accumulation)
+args = ppo.derive_sizes(ppo.Args(batch_size=8, num_mini_batches=2, gradient_accumulation_steps=accumulation,
+                                 ppo_epochs=2, query_length=5, temperature=0.7, total_episodes=8), accelerator.num_processes)
+model = ppo.PolicyAndValue(ppo.load_model(model_dir, AutoModelForCausalLM),
+                           ppo.load_model(rm_dir, AutoModelForSequenceClassification, num_labels=1))
+optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, eps=1e-5, weight_decay=0.0, fused=True)
+scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+model, optimizer = accelerator.prepare(model, optimizer)
+# The same global rollouts for any number of processes; process i takes rows [i*L, (i+1)*L).
+g = torch.Generator().manual_seed(0)
+B, Q, T = 8, 5, 6
+query_responses = torch.randint(10, 1000, (B, Q + T), generator=g)
+response_mask = (torch.arange(T)[None] < torch.randint(2, T + 1, (B, 1), generator=g)).long()
+attention_mask = torch.cat([torch.ones(B, Q, dtype=torch.long), response_mask], 1)
+mask = response_mask.float()
+with torch.no_grad():
+    logprobs, _, values = accelerator.unwrap_model(model)(query_responses, attention_mask, Q, 0.7)
+rewards = torch.randn(B, T, generator=g) * mask
+advantages, returns = ppo.compute_gae(rewards, values * mask, mask, 1.0, 0.95)
+rows = slice(accelerator.process_index * args.local_batch_size, (accelerator.process_index + 1) * args.local_batch_size)
+advantages = ppo.masked_whiten(accelerator, advantages[rows], mask[rows])  # whitened over all processes
+rollouts = {"query_responses": query_responses[rows], "attention_mask": attention_mask[rows],
+            "logprobs": logprobs[rows] * mask[rows], "values": values[rows] * mask[rows], "advantages": advantages,
+            "returns": returns[rows], "mask": mask[rows]}
+stats = ppo.ppo_epochs(accelerator, model, optimizer, scheduler, rollouts, args, update=1)
+totals = {k: accelerator.reduce(v, reduction="sum")[..., 0].sum() / accelerator.reduce(v, reduction="sum")[..., 1].sum()
+          for k, v in stats.items() if k != "policy/max_abs_log_ratio"}
+if accelerator.is_main_process:
+    torch.save(accelerator.unwrap_model(model).state_dict(), out + ".pt")
+    json.dump({k: v.item() for k, v in totals.items()}, open(out + ".json", "w"))
+'''
+
+
+def test_ppo_update_is_world_size_invariant(tiny_model_dir, tiny_rm_dir, tmp_path):  # noqa: F811
+    script = tmp_path / "one_update.py"
+    script.write_text(PPO_UPDATE_SCRIPT)
+    for processes, accumulation in [(1, 2), (2, 1)]:
+        launch(processes, [str(script), HERE, tiny_model_dir, tiny_rm_dir, str(tmp_path / f"p{processes}"),
+                           str(accumulation)])
+    a, b = torch.load(tmp_path / "p1.pt"), torch.load(tmp_path / "p2.pt")
+    for key in a:
+        torch.testing.assert_close(a[key], b[key], atol=1e-5, rtol=0, msg=f"{key} differs")
+    metrics_a, metrics_b = json.loads((tmp_path / "p1.json").read_text()), json.loads((tmp_path / "p2.json").read_text())
+    assert metrics_a.keys() == metrics_b.keys() and len(metrics_a) > 5
+    for key in metrics_a:
+        assert metrics_a[key] == pytest.approx(metrics_b[key], abs=1e-5, rel=1e-5), key
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# bad input: one clear line, non-zero exit, no output folder
+# ---------------------------------------------------------------------------------------------------------------
+def bad_cases(model_dir, rm_dir, tmp_path):
+    no_prompt = tmp_path / "no_prompt.jsonl"
+    no_prompt.write_text("\n".join(json.dumps({"text": f"row {i}"}) for i in range(20)))
+    tiny = tmp_path / "tiny.jsonl"
+    tiny.write_text("\n".join(json.dumps({"prompt": f"p {i}", "completion": f" c {i}"}) for i in range(3)))
+    not_gguf = tmp_path / "broken.gguf"
+    not_gguf.write_bytes(b"not a gguf file at all")
+    sft = [sys.executable, "sft.py", "--model_name_or_path", model_dir, "--max_steps", "1"]
+    ppo = [sys.executable, "ppo.py", "--sft_model_path", model_dir, "--reward_model_path", rm_dir]
+    return [
+        ("missing columns", sft + ["--dataset_name", str(no_prompt)], "lacks column(s) ['prompt', 'completion']"),
+        ("fewer rows than a batch", sft + ["--dataset_name", str(tiny)], "fewer than one global batch"),
+        ("ppo missing column", ppo + ["--dataset_name", str(no_prompt)], "lacks column(s) ['prompt']"),
+        ("minibatches do not divide", ppo + ["--num_mini_batches", "3"], "not divisible by --num_mini_batches 3"),
+        ("microbatches do not divide", ppo + ["--gradient_accumulation_steps", "3"],
+         "not divisible by --gradient_accumulation_steps 3"),
+        ("unknown model path", [sys.executable, "sft.py", "--model_name_or_path", "./no/such/model"], "does not exist"),
+        ("GGUF file that is not a model", [sys.executable, "sft.py", "--model_name_or_path", str(not_gguf)],
+         "is not a readable GGUF model"),
+    ]
+
+
+def test_bad_input_gives_one_clear_error(tiny_model_dir, tiny_rm_dir, tmp_path):  # noqa: F811
+    for name, cmd, message in bad_cases(tiny_model_dir, tiny_rm_dir, tmp_path):
+        out = str(tmp_path / "out")
+        proc = run(cmd + ["--output_dir", out, "--log_dir", str(tmp_path / "tb")], check=False)
+        last = proc.stdout.strip().splitlines()[-1]
+        assert proc.returncode != 0, name
+        assert last.startswith("error: ") and message in last, f"{name}: {last}"
+        assert "Traceback" not in proc.stdout, name
+        assert not os.path.exists(out) and not os.path.exists(out + ".tmp"), name
+
+
+def test_resume_with_another_config_is_refused(tiny_model_dir, tiny_rm_dir, tmp_path):  # noqa: F811
+    out = str(tmp_path / "sft")
+    run(stage_command("sft", tiny_model_dir, tiny_rm_dir, out, "a", ["--save_every", "3"]))
+    proc = run(stage_command("sft", tiny_model_dir, tiny_rm_dir, out, "b",
+                             ["--resume_from", "latest", "--learning_rate", "0.1"]), check=False)
+    last = proc.stdout.strip().splitlines()[-1]
+    assert proc.returncode != 0 and "different config (learning_rate)" in last, last
