@@ -123,8 +123,9 @@ class Args:
     """Subtracted from the RM score of a response that never emits the stop token (None: no penalty). Without it
     the policy can learn to ramble on past where the RM was trained (N+ details paper)."""
     # --- PPO ---
-    total_episodes: int = 2048
-    """Rollouts (query, response pairs) over the whole run, all processes together."""
+    total_episodes: int = 480
+    """Rollouts (query, response pairs) over the whole run, all processes together. 480 = 15 updates, which fits
+    the default offline pipeline's ~15 CPU minutes for PPO; on GPUs use far more (the TL;DR runs use ~1M)."""
     batch_size: int = 32
     """Rollouts per PPO update, all processes together (TRL: batch_size; cleanrl: batch_size)."""
     num_mini_batches: int = 2
@@ -133,8 +134,9 @@ class Args:
     """Microbatches per minibatch, whose gradients are summed before the step (memory, not maths, changes)."""
     ppo_epochs: int = 2
     """Passes over each batch of rollouts."""
-    learning_rate: float = 1e-5
-    """AdamW learning rate for policy and value model, annealed linearly to 0 over the run."""
+    learning_rate: float = 2e-5
+    """AdamW learning rate for policy and value model, annealed linearly to 0 over the run. High for PPO (the N+
+    paper uses 3e-6 on TL;DR) because the default CPU run has only 15 updates to move the policy."""
     max_grad_norm: float = 1.0
     """Global gradient-norm clip over policy and value parameters."""
     cliprange: float = 0.2
@@ -161,9 +163,9 @@ class Args:
     """Rows per forward pass when computing logprobs, ref_logprobs and values (memory only; the reward model's forward
     passes use `reward_batch_size`)."""
     # --- evaluation, logging, saving ---
-    eval_every: int = 16
+    eval_every: int = 5
     """PPO updates between held-out evaluations (also run before the first and after the last update)."""
-    eval_prompts: int = 64
+    eval_prompts: int = 32
     """Held-out prompts scored at each evaluation (a fixed prefix of the held-out split, sampled with a fixed seed)."""
     num_sample_generations: int = 8
     """(query, response, score) rows written to tensorboard per evaluation."""
@@ -854,6 +856,50 @@ def prompt_indices(update, num_prompts, batch_size, seed, process_index, num_pro
     return batch[process_index * local : (process_index + 1) * local]
 
 
+def ppo_epochs(accelerator, model, optimizer, scheduler, rollouts, args, update):
+    """Step (6): `ppo_epochs` passes over this process's rollouts; one optimizer step per minibatch.
+
+    `rollouts` holds `query_responses`, `attention_mask` (B, Q+T) long and `logprobs`, `values`, `advantages`,
+    `returns`, `mask` (B, T) float32, B = local_batch_size. Returns the statistics as a dict of (E, M, U, 2) float32
+    tensors of (sum, count) per (epoch, minibatch, microbatch), not yet reduced over processes. Raises
+    FloatingPointError on a non-finite loss.
+    """
+    (E, M, U) = args.ppo_epochs, args.num_mini_batches, args.gradient_accumulation_steps
+    stats = defaultdict(lambda: torch.zeros(E, M, U, 2, device=accelerator.device))
+    # Same seed on every process (see minibatch_schedule), a new one every update.
+    generator = torch.Generator().manual_seed(args.seed * 100_003 + update)
+    schedule = minibatch_schedule(args.local_batch_size, M, U, E, generator, accelerator.process_index,
+                                  accelerator.num_processes)
+    for epoch, mb, microbatches in schedule:
+        for micro, idx in enumerate(microbatches):
+            mb_data = {k: v[idx.to(accelerator.device)] for k, v in rollouts.items()}
+            # accumulate(): no gradient all-reduce and no optimizer step until the U-th microbatch.
+            with accelerator.accumulate(model):
+                new_logprobs, logits, new_values = model(mb_data["query_responses"], mb_data["attention_mask"],
+                                                         args.query_length, args.temperature)
+                pg_loss, vf_loss, mb_stats = ppo_losses(
+                    new_logprobs, mb_data["logprobs"], mb_data["advantages"], new_values, mb_data["values"],
+                    mb_data["returns"], mb_data["mask"], args.cliprange, args.cliprange_value)
+                loss = pg_loss + args.vf_coef * vf_loss
+                if not torch.isfinite(loss):
+                    raise FloatingPointError(f"update {update}: non-finite PPO loss (epoch {epoch}, minibatch {mb}, "
+                                             f"microbatch {micro}).")
+                # Each microbatch's loss is a token mean; backward() divides it by U, so the gradients summed over
+                # the minibatch's U microbatches are their mean (and DDP averages them over processes).
+                accelerator.backward(loss)
+                if accelerator.sync_gradients:
+                    accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+                optimizer.step()  # a no-op until the U-th microbatch
+                optimizer.zero_grad()
+            with torch.no_grad():
+                entropy = logits.logsumexp(-1) - (logits.softmax(-1) * logits).sum(-1)
+                mb_stats["policy/entropy"] = ((entropy * mb_data["mask"]).sum(), mb_data["mask"].sum())
+            for name, (total, count) in mb_stats.items():
+                stats[name][epoch, mb, micro] = torch.stack([total.detach(), count])
+        scheduler.step()
+    return stats
+
+
 class PolicyAndValue(torch.nn.Module):
     """Holds the policy and the value model so that one optimizer, one `accelerator.prepare` (one DeepSpeed engine)
     and one gradient clip cover both; the loss is pg_loss + vf_coef * vf_loss."""
@@ -1119,7 +1165,8 @@ def main(args: Args):
     else:  # your own function: --reward_fn my_module:my_function
         module_name, _, function_name = args.reward_fn.partition(":")
         reward_fn = getattr(importlib.import_module(module_name), function_name)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, eps=1e-5)
+    # fused=True: one kernel for all parameters instead of a loop over tensors (several times faster on CPU).
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, eps=1e-5, weight_decay=0.0, fused=True)
     # Linear anneal to 0 over the optimizer steps of the whole run (one step per minibatch).
     total_steps = args.num_updates * args.ppo_epochs * args.num_mini_batches
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 - step / total_steps)
@@ -1154,8 +1201,6 @@ def main(args: Args):
             writer.add_text("eval/samples", sample_table(rows), update)
         return metrics
 
-    (E, M, U) = args.ppo_epochs, args.num_mini_batches, args.gradient_accumulation_steps
-    context_length = args.query_length
     checkpoint_dir = args.checkpoint_dir or args.output_dir.rstrip("/") + "-checkpoints"
     config = {k: v for k, v in vars(args).items() if k not in NOT_TRAINING_CONFIG}
     config["num_processes"] = accelerator.num_processes
@@ -1217,40 +1262,10 @@ def main(args: Args):
         advantages = masked_whiten(accelerator, advantages, mask)
 
         # --- (6) PPO epochs: for epoch: reshuffle; for minibatch: for microbatch: accumulate; step ---------------
-        query_responses = torch.cat([query_ids, responses], 1)
-        attention_mask = torch.cat([query_mask, response_mask], 1)
-        stats = defaultdict(lambda: torch.zeros(E, M, U, 2, device=device))
-        # Same seed on every process (see minibatch_schedule), a new one every update.
-        shuffle_generator = torch.Generator().manual_seed(args.seed * 100_003 + update)
-        schedule = minibatch_schedule(args.local_batch_size, M, U, E, shuffle_generator, accelerator.process_index,
-                                      accelerator.num_processes)
-        for epoch, mb, microbatches in schedule:
-            for micro, idx in enumerate(microbatches):
-                idx = idx.to(device)
-                # accumulate(): no gradient all-reduce and no optimizer step until the U-th microbatch.
-                with accelerator.accumulate(model):
-                    new_logprobs, logits, new_values = model(query_responses[idx], attention_mask[idx],
-                                                             context_length, args.temperature)
-                    pg_loss, vf_loss, mb_stats = ppo_losses(
-                        new_logprobs, logprobs[idx], advantages[idx], new_values, values[idx], returns[idx],
-                        mask[idx], args.cliprange, args.cliprange_value)
-                    loss = pg_loss + args.vf_coef * vf_loss
-                    if not torch.isfinite(loss):
-                        raise FloatingPointError(f"update {update}: non-finite PPO loss (epoch {epoch}, "
-                                                 f"minibatch {mb}, microbatch {micro}).")
-                    # Each microbatch's loss is a token mean; backward() divides it by U, so the gradients summed
-                    # over the minibatch's U microbatches are their mean.
-                    accelerator.backward(loss)
-                    if accelerator.sync_gradients:
-                        accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
-                    optimizer.step()  # a no-op until the U-th microbatch
-                    optimizer.zero_grad()
-                with torch.no_grad():
-                    entropy = logits.logsumexp(-1) - (logits.softmax(-1) * logits).sum(-1)
-                    mb_stats["policy/entropy"] = ((entropy * mask[idx]).sum(), mask[idx].sum())
-                for name, (total, count) in mb_stats.items():
-                    stats[name][epoch, mb, micro] = torch.stack([total.detach(), count])
-            scheduler.step()
+        rollouts = {"query_responses": torch.cat([query_ids, responses], 1),
+                    "attention_mask": torch.cat([query_mask, response_mask], 1), "logprobs": logprobs,
+                    "values": values, "advantages": advantages, "returns": returns, "mask": mask}
+        stats = ppo_epochs(accelerator, model, optimizer, scheduler, rollouts, args, update)
         timer["training"] = time.perf_counter()
 
         # --- (7) log: batch-level metrics over all samples of all processes ------------------------------------------
@@ -1277,7 +1292,7 @@ def main(args: Args):
             metrics[f"ppo/{name}_avg"] = table[..., 0].sum() / table[..., 1].sum()
         metrics["ppo/policy/max_abs_log_ratio"] = accelerator.gather(stats["policy/max_abs_log_ratio"][..., 0]).max()
         metrics = {k: v.item() for k, v in metrics.items()}  # one host sync per update, here
-        n_tokens = accelerator.reduce(attention_mask.sum(), reduction="sum").item()
+        n_tokens = accelerator.reduce(rollouts["attention_mask"].sum(), reduction="sum").item()
         metrics.update({
             "ppo/lr": scheduler.get_last_lr()[0], "objective/kl_coef": kl_coef,
             "objective/episodes": update * args.batch_size,
