@@ -198,6 +198,9 @@ totals = {k: accelerator.reduce(v, reduction="sum")[..., 0].sum() / accelerator.
 if accelerator.is_main_process:
     torch.save(accelerator.unwrap_model(model).state_dict(), out + ".pt")
     json.dump({k: v.item() for k, v in totals.items()}, open(out + ".json", "w"))
+accelerator.wait_for_everyone()
+if torch.distributed.is_initialized():  # a clean shutdown: gloo can abort a process left to exit mid-teardown
+    torch.distributed.destroy_process_group()
 '''
 
 
