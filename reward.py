@@ -3,7 +3,7 @@
 The SFT model gets a scalar head (`score`: hidden state -> one number) and learns from preference pairs: for a
 prompt x and two replies, the preferred one (y_c, "chosen") should score higher than the other (y_r, "rejected").
 The loss is the Bradley-Terry negative log-likelihood -log sigmoid(r(x, y_c) - r(x, y_r)). A sequence is scored at
-its last real token (the EOS that ends the reply), found from the attention mask, never by comparing ids with
+its last real token (normally the EOS that ends the reply), found from the attention mask, never by comparing ids with
 `pad_token_id` (SmolLM2 pads with EOS). Sequences are built as in sft.py, prompt + reply + EOS, the shape of what
 `ppo.py` will score, with an identical copy of `get_reward`.
 
@@ -20,11 +20,13 @@ Run it (after `python sft.py`: its output folder is this script's default model)
     accelerate launch reward.py                     # 1 GPU, or whatever `accelerate config` says
     accelerate launch --config_file configs/multi_gpu.yaml reward.py          # 8 GPUs, DDP
     accelerate launch --config_file configs/deepspeed_zero2.yaml reward.py    # 8 GPUs, ZeRO-2
-Anthropic HH (harmless-base; its dialogues run to hundreds of tokens, so the prompt keeps only its last 96 tokens and
-the run is cut to a few CPU minutes; drop the last four flags on a GPU):
+Anthropic HH, harmless-base (1,849 training pairs, 463 held out). Its dialogues run to hundreds of tokens: on CPU
+keep the last 64 prompt tokens and cut the run to 20 steps (~5 minutes on 2 cores, held-out accuracy ~0.6); on a
+GPU raise them (e.g. --max_prompt_length 192 --max_length 256 --max_steps 230, one epoch) and drop the eval flags:
     python sft.py --dataset_name ../shared/data/hh-rlhf/harmless-base-test.jsonl.gz --output_dir runs/hh/sft
-    python reward.py --model_name_or_path runs/hh/sft --dataset_name ../shared/data/hh-rlhf/harmless-base-test.jsonl.gz \
-        --output_dir runs/hh/reward --max_prompt_length 96 --max_length 160 --max_steps 60 --eval_samples 128
+    python reward.py --model_name_or_path runs/hh/sft --output_dir runs/hh/reward \
+        --dataset_name ../shared/data/hh-rlhf/harmless-base-test.jsonl.gz \
+        --max_prompt_length 64 --max_length 128 --max_steps 20 --eval_every 20 --eval_samples 100
 
 Follows: Stiennon et al. 2020 "Learning to summarize from human feedback" (pairwise loss on the final token's score,
 head initialised from N(0, 1/(d_model+1)), scores normalised to mean 0 before RL); Ouyang et al. 2022 "Training
@@ -71,22 +73,22 @@ class Args:
     output_dir: str = "runs/imdb/reward"
     """Where the trained reward model and tokenizer are saved (`save_pretrained`); `ppo.py` reads it."""
     max_prompt_length: int = 24
-    """Prompt tokens kept (the *end* of a longer prompt is kept: it is closest to the reply). 24 keeps all of the
-    10-word IMDB prompts, as in sft.py; HH dialogues need more (see the module docstring)."""
+    """Prompt tokens kept (the *end* of a longer prompt is kept: it is closest to the reply). 24, as in sft.py,
+    keeps nearly every 10-word IMDB prompt whole; HH dialogues need more (see the module docstring)."""
     max_length: int = 64
-    """Prompt + reply + EOS tokens; a longer reply is cut on the right (and loses its EOS). 64 keeps every IMDB
-    continuation whole (at most 24 words) and each CPU step short."""
+    """Prompt + reply + EOS tokens; a longer reply is cut on the right (and loses its EOS). 64 keeps 99.7% of the
+    IMDB sequences whole (a review ending is at most 24 words) and each CPU step short."""
     # --- optimisation ---
-    learning_rate: float = 3e-5
-    """AdamW peak learning rate. Lower than sft.py's: the new head starts random and large steps would disturb the
-    pretrained features it reads before it has learned to use them."""
+    learning_rate: float = 1e-4
+    """AdamW peak learning rate. Measured on the default run: 3e-5 reaches 0.80 held-out accuracy, 1e-4 0.86 and
+    2e-4 no more; a short run needs the larger steps (long runs on big models use ~1e-5)."""
     per_device_train_batch_size: int = 8
     """Preference pairs per process per forward pass (2x as many sequences: chosen and rejected share the pass)."""
     gradient_accumulation_steps: int = 1
     """Forward passes accumulated per optimizer step; global batch = this x batch size x processes (in pairs)."""
     max_steps: int = 60
-    """Optimizer steps. 60 x 8 = 480 pairs (far below one epoch of 7,400) reach the 0.85 held-out accuracy target
-    in about 6 CPU minutes; InstructGPT trains its RM for a single epoch because more overfits."""
+    """Optimizer steps. 60 x 8 = 480 pairs (a fifteenth of an epoch of IMDB's 7,500) reach ~0.86 held-out accuracy
+    in about 6 CPU minutes (80 steps: no better). InstructGPT trains its RM for one epoch at most: more overfits."""
     warmup_ratio: float = 0.1
     """Fraction of `max_steps` with linear warm-up; the rest decays linearly to 0."""
     weight_decay: float = 0.0
@@ -96,9 +98,9 @@ class Args:
     # --- evaluation, logging, saving ---
     eval_every: int = 30
     """Optimizer steps between held-out evaluations (also run at the start and end)."""
-    eval_samples: int = 200
-    """Held-out pairs used for accuracy, loss and the reward bias (a fixed prefix of the held-out split). 200 pairs
-    put the accuracy within about +-0.025 (one standard error) and take ~15 s per evaluation on 2 CPU cores."""
+    eval_samples: int = 256
+    """Held-out pairs used for accuracy, loss and the reward bias (a fixed prefix of the held-out split). 256 give
+    the accuracy to about +-0.03 (IMDB holds each pair twice, after either review's prompt) in ~35 s on 2 cores."""
     num_table_examples: int = 4
     """Held-out pairs written to tensorboard, with their scores, at each evaluation."""
     seed: int = 1
