@@ -56,6 +56,8 @@ logger = get_logger(__name__)
 
 @dataclass
 class Args:
+    """Command-line settings of ppo.py (tyro turns each field into a --flag; its docstring is the help text)."""
+
     # --- models and data ---
     sft_model_path: str = "runs/imdb/sft"
     """The SFT model (sft.py's output): initial policy and the frozen reference. Hub id, folder or .gguf."""
@@ -861,6 +863,8 @@ def sample_table(rows):
 
 
 def main(args: Args):
+    """Run PPO end to end. Returns the held-out metrics before/after, every update's metrics and the last update's
+    per-(epoch, minibatch, microbatch) statistics."""
     logging.basicConfig(format="%(asctime)s %(levelname)s %(message)s", level=logging.INFO)
     accelerator = Accelerator(log_with="tensorboard", project_dir=args.log_dir,
                               gradient_accumulation_steps=args.gradient_accumulation_steps,

