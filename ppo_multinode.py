@@ -89,7 +89,8 @@ logger = get_logger(__name__)
 
 @dataclass
 class Args:
-    """Command-line settings of ppo_multinode.py (tyro turns each field into a --flag; its docstring is the help text)."""
+    """Command-line settings of ppo_multinode.py (tyro turns each field into a --flag; its docstring is the
+    help text)."""
 
     # --- models and data ---
     sft_model_path: str = "runs/imdb/sft"

