@@ -2,10 +2,10 @@
 
     pytest multinode_test.py         # about 2 minutes on 2 CPU cores; no network, tiny random models built here
 
-Three tests start real 2-process runs on the CPU (gloo): this file's `central` worker under `accelerate launch`,
-ppo_multinode.py as two "nodes" on loopback (two `accelerate launch`es, `--machine_rank 0` and `1`), and this file's
-`fsdp` worker (PyTorch FSDP) under `torch.distributed.run`. Each has a timeout, so a hang fails the test instead of
-blocking CI.
+Four tests start real 2-process runs on the CPU (gloo): this file's `central` worker and ppo.py itself under
+`accelerate launch`, ppo_multinode.py as two "nodes" on loopback (two `accelerate launch`es, `--machine_rank 0`
+and `1`), and this file's `fsdp` worker (PyTorch FSDP) under `torch.distributed.run`. Each has a timeout, so a hang
+fails the test instead of blocking CI.
 """
 
 import importlib.util
@@ -344,6 +344,27 @@ def test_one_process_matches_ppo(tiny, tmp_path):
         a = load_file(tmp_path / "ppo" / folder / "model.safetensors")
         b = load_file(tmp_path / "multinode" / folder / "model.safetensors")
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_ppo_py_on_two_processes(tiny, tmp_path):
+    """`accelerate launch --multi_gpu --num_processes 2 ppo.py` (gloo, CPU) runs to the end: both processes train
+    (each writes its RNG state into the checkpoint), the saved policy loads, differs from the SFT model and is
+    finite, and the processes leave cleanly (rc 0, checked by `run_together`)."""
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    args = run_args(tiny, tmp_path, save_every=2)
+    outputs = run_together([ACCELERATE + ["--multi_gpu", "--num_processes", "2", "--num_cpu_threads_per_process", "1",
+                                          "ppo.py", *[f"--{key}={value}" for key, value in args.items()]]],
+                           timeout=240)
+    assert "update 2: held-out score" in outputs[0]
+    checkpoint = tmp_path / "model-checkpoints" / "checkpoint-2"
+    assert {p.name for p in checkpoint.glob("random_states_*.pkl")} == {"random_states_0.pkl", "random_states_1.pkl"}
+    trained = AutoModelForCausalLM.from_pretrained(tmp_path / "model")
+    initial = AutoModelForCausalLM.from_pretrained(tiny / "policy")
+    AutoModelForSequenceClassification.from_pretrained(tmp_path / "model" / "value_model")
+    new, old = trained.state_dict(), initial.state_dict()
+    assert all(torch.isfinite(v).all() for v in new.values())
+    assert any(not torch.equal(new[k], old[k]) for k in old)
 
 
 def test_reward_model_with_its_own_tokenizer(tiny, tmp_path):

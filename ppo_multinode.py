@@ -78,7 +78,7 @@ import datasets
 import torch
 import torch.nn.functional as F
 import tyro
-from accelerate import Accelerator
+from accelerate import Accelerator, PartialState
 from accelerate.logging import get_logger
 from accelerate.utils import DistributedType, InitProcessGroupKwargs, set_seed
 from tqdm.auto import tqdm
@@ -613,7 +613,7 @@ def response_logprobs(model, query_responses, attention_mask, context_length, te
     """
     backbone = getattr(model, model.base_model_prefix)
     hidden = backbone(input_ids=query_responses, attention_mask=attention_mask,
-                      position_ids=position_ids_from_mask(attention_mask)).last_hidden_state
+                      position_ids=position_ids_from_mask(attention_mask), use_cache=False).last_hidden_state
     logits = model.get_output_embeddings()(hidden[:, context_length - 1 : -1]).float() / temperature
     tokens = query_responses[:, context_length:]
     logprobs = logits.gather(2, tokens.unsqueeze(2)).squeeze(2) - logits.logsumexp(2)
@@ -627,7 +627,7 @@ def token_values(model, query_responses, attention_mask, context_length):
     """
     backbone = getattr(model, model.base_model_prefix)
     hidden = backbone(input_ids=query_responses, attention_mask=attention_mask,
-                      position_ids=position_ids_from_mask(attention_mask)).last_hidden_state
+                      position_ids=position_ids_from_mask(attention_mask), use_cache=False).last_hidden_state
     return model.score(hidden[:, context_length - 1 : -1]).squeeze(-1).float()
 
 
@@ -640,7 +640,7 @@ def get_reward(model, input_ids, attention_mask):
     """
     backbone = getattr(model, model.base_model_prefix)
     hidden = backbone(input_ids=input_ids, attention_mask=attention_mask,
-                      position_ids=position_ids_from_mask(attention_mask)).last_hidden_state
+                      position_ids=position_ids_from_mask(attention_mask), use_cache=False).last_hidden_state
     positions = torch.arange(input_ids.shape[1], device=input_ids.device)
     last = (positions * attention_mask).argmax(1)  # index of the rightmost real token of each row
     scores = model.score(hidden[torch.arange(len(hidden), device=hidden.device), last]).squeeze(-1).float()
@@ -1348,3 +1348,5 @@ if __name__ == "__main__":
         main(cli_args)
     except (ValueError, FileNotFoundError, FloatingPointError) as error:  # bad input or a diverged run: one line
         raise SystemExit(f"error: {error}")
+    # Leave the process group cleanly (nothing to do for one process): gloo can abort at exit without it.
+    PartialState().destroy_process_group()

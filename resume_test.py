@@ -119,7 +119,8 @@ def test_kill_during_checkpoint_write_keeps_the_previous_one(tiny_model_dir, tin
     run(stage_command("sft", tiny_model_dir, tiny_rm_dir, straight, "straight"))
 
     def writing_second():  # checkpoint-1 is complete and a later one is being written
-        return os.path.isdir(os.path.join(checkpoints, "checkpoint-1")) and glob.glob(os.path.join(checkpoints, "*.tmp"))
+        return (os.path.isdir(os.path.join(checkpoints, "checkpoint-1"))
+                and glob.glob(os.path.join(checkpoints, "*.tmp")))
 
     code = kill_when(stage_command("sft", tiny_model_dir, tiny_rm_dir, killed, "killed", ["--save_every", "1"]),
                      writing_second)
@@ -170,7 +171,8 @@ from transformers import AutoModelForCausalLM, AutoModelForSequenceClassificatio
 model_dir, rm_dir, out, accumulation = sys.argv[2], sys.argv[3], sys.argv[4], int(sys.argv[5])
 accelerator = Accelerator(gradient_accumulation_steps=accumulation)
 args = ppo.derive_sizes(ppo.Args(batch_size=8, num_mini_batches=2, gradient_accumulation_steps=accumulation,
-                                 ppo_epochs=2, query_length=5, temperature=0.7, total_episodes=8), accelerator.num_processes)
+                                 ppo_epochs=2, query_length=5, temperature=0.7, total_episodes=8),
+                        accelerator.num_processes)
 model = ppo.PolicyAndValue(ppo.load_model(model_dir, AutoModelForCausalLM),
                            ppo.load_model(rm_dir, AutoModelForSequenceClassification, num_labels=1))
 optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, eps=1e-5, weight_decay=0.0, fused=True)
@@ -213,7 +215,8 @@ def test_ppo_update_is_world_size_invariant(tiny_model_dir, tiny_rm_dir, tmp_pat
     a, b = torch.load(tmp_path / "p1.pt"), torch.load(tmp_path / "p2.pt")
     for key in a:
         torch.testing.assert_close(a[key], b[key], atol=1e-5, rtol=0, msg=f"{key} differs")
-    metrics_a, metrics_b = json.loads((tmp_path / "p1.json").read_text()), json.loads((tmp_path / "p2.json").read_text())
+    metrics_a = json.loads((tmp_path / "p1.json").read_text())
+    metrics_b = json.loads((tmp_path / "p2.json").read_text())
     assert metrics_a.keys() == metrics_b.keys() and len(metrics_a) > 5
     for key in metrics_a:
         assert metrics_a[key] == pytest.approx(metrics_b[key], abs=1e-5, rel=1e-5), key

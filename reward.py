@@ -51,7 +51,7 @@ import datasets
 import torch
 import torch.nn.functional as F
 import tyro
-from accelerate import Accelerator
+from accelerate import Accelerator, PartialState
 from accelerate.logging import get_logger
 from accelerate.utils import InitProcessGroupKwargs, set_seed
 from tqdm.auto import tqdm
@@ -505,7 +505,7 @@ def get_reward(model, input_ids, attention_mask):
     """
     backbone = getattr(model, model.base_model_prefix)
     hidden = backbone(input_ids=input_ids, attention_mask=attention_mask,
-                      position_ids=position_ids_from_mask(attention_mask)).last_hidden_state
+                      position_ids=position_ids_from_mask(attention_mask), use_cache=False).last_hidden_state
     positions = torch.arange(input_ids.shape[1], device=input_ids.device)
     last = (positions * attention_mask).argmax(1)  # index of the rightmost real token of each row
     scores = model.score(hidden[torch.arange(len(hidden), device=hidden.device), last]).squeeze(-1).float()
@@ -711,3 +711,5 @@ if __name__ == "__main__":
         main(cli_args)
     except (ValueError, FileNotFoundError, FloatingPointError) as error:  # bad input or a diverged run: one line
         raise SystemExit(f"error: {error}")
+    # Leave the process group cleanly (nothing to do for one process): gloo can abort at exit without it.
+    PartialState().destroy_process_group()

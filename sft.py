@@ -39,7 +39,7 @@ import datasets
 import torch
 import torch.nn.functional as F
 import tyro
-from accelerate import Accelerator
+from accelerate import Accelerator, PartialState
 from accelerate.logging import get_logger
 from accelerate.utils import InitProcessGroupKwargs, set_seed
 from tqdm.auto import tqdm
@@ -476,7 +476,9 @@ def completion_loss(model, batch):
     Returns `(loss_sum, n_tokens)`, both 0-dim float32 tensors. Logits at position t predict token t+1, so the logits
     are shifted by one against the labels; -100 labels are ignored.
     """
-    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, :-1]
+    # use_cache=False: transformers would otherwise build a KV cache that nothing reads.
+    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                   use_cache=False).logits[:, :-1]
     labels = batch["labels"][:, 1:]
     loss_sum = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=-100, reduction="sum")
     return loss_sum, (labels != -100).sum().float()
@@ -517,6 +519,10 @@ def main(args: Args):
     (U, rank, world) = args.gradient_accumulation_steps, accelerator.process_index, accelerator.num_processes
 
     # --- 1. data: load, check columns, tokenize ------------------------------------------------------------------
+    # ([-0:] would keep the whole prompt, and a max_length within the prompt leaves no completion to train on.)
+    if not 0 < args.max_prompt_length < args.max_length:
+        raise ValueError(f"need 0 < --max_prompt_length ({args.max_prompt_length}) < --max_length "
+                         f"({args.max_length}) so that every example keeps some prompt and some completion.")
     tokenizer = load_tokenizer(args.model_name_or_path)
     train, held_out = load_splits(args.dataset_name, "sft")
     if "completion" not in train.column_names and "chosen" in train.column_names:
@@ -616,3 +622,5 @@ if __name__ == "__main__":
         main(cli_args)
     except (ValueError, FileNotFoundError, FloatingPointError) as error:  # bad input or a diverged run: one line
         raise SystemExit(f"error: {error}")
+    # Leave the process group cleanly (nothing to do for one process): gloo can abort at exit without it.
+    PartialState().destroy_process_group()

@@ -245,6 +245,15 @@ def test_missing_columns_give_a_clear_error(tmp_path):
         ppo.require_columns(train, ["prompt"], str(path))
 
 
+
+@pytest.mark.parametrize("max_prompt_length, max_length", [(0, 64), (-3, 64), (64, 64)])
+def test_sft_rejects_prompt_lengths_that_leave_nothing(tmp_path, max_prompt_length, max_length):
+    """`[-0:]` would silently keep the whole prompt; a prompt as long as max_length leaves no completion."""
+    with pytest.raises(ValueError, match="max_prompt_length"):
+        sft.main(sft.Args(max_prompt_length=max_prompt_length, max_length=max_length,
+                          output_dir=str(tmp_path / "out"), log_dir=str(tmp_path / "tb")))
+    assert not os.path.exists(tmp_path / "out")
+
 # ---------------------------------------------------------------------------------------------------------------
 # the scripts' copies of shared helpers agree
 # ---------------------------------------------------------------------------------------------------------------
@@ -257,7 +266,8 @@ def function_sources(path):
 
 
 def test_helper_copies_agree():
-    scripts = [p for p in ["sft.py", "reward.py", "ppo.py", "ppo_multinode.py"] if os.path.exists(os.path.join(HERE, p))]
+    scripts = [p for p in ["sft.py", "reward.py", "ppo.py", "ppo_multinode.py"]
+               if os.path.exists(os.path.join(HERE, p))]
     sources = {p: function_sources(os.path.join(HERE, p)) for p in scripts}
     shared = 0
     for i, a in enumerate(scripts):

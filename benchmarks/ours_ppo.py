@@ -210,7 +210,7 @@ def run_ppo(args, folder, model_info, work):
 
     settings = {k: v for k, v in vars(ppo_args).items() if isinstance(v, (int, float, str, bool, type(None)))}
     settings.update({"torch_threads": torch.get_num_threads(), "device": "cpu", "optimizer": "torch.optim.AdamW "
-                     "(eps 1e-5, weight_decay 0.01, default implementation), grad-norm clip 1.0",
+                     "(fused, eps 1e-5, weight_decay 0), grad-norm clip 1.0",
                      "prompt_order": "ppo.py's seeded permutation" if args.ppo_prompt_order else
                      "file order, sequential (ppo.prompt_indices replaced)",
                      "stopping_rule": f"generate exactly {args.response_len} tokens, no early stop (stop_token='none',"
