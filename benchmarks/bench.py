@@ -38,6 +38,8 @@ import ours_ppo  # noqa: E402  (no torch at import time)
 
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 DEFAULT_UPDATES = {"tiny": 6, "smollm2": 4}
+# glibc's environment-variable form of what ppo.py's tune_cpu_allocator() does at run time (--trl_malloc).
+TRL_MALLOC_ENV = {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": str(2**31 - 1)}
 SCALING = [(16, 24), (16, 48), (16, 96), (8, 24), (32, 24)]  # (rollouts, response tokens)
 
 
@@ -63,12 +65,12 @@ def wait_for_quiet(limit, max_wait_s):
             return cores
 
 
-def run_child(cmd, log_path):
-    """Run `cmd` with stdout/stderr to `log_path`; return wall seconds, its CPU seconds and peak RSS (its own
-    rusage from os.wait4), and the cores the rest of the machine used meanwhile, on average."""
+def run_child(cmd, log_path, env=None):
+    """Run `cmd` (with `env` added to the environment) with stdout/stderr to `log_path`; return wall seconds, its CPU
+    seconds and peak RSS (its own rusage from os.wait4), and the cores the rest of the machine used meanwhile."""
     b0, t0 = busy_s(), time.perf_counter()
     with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ, **(env or {})))
         _, status, usage = os.wait4(proc.pid, 0)
     proc.returncode = os.waitstatus_to_exitcode(status)
     wall = time.perf_counter() - t0
@@ -78,14 +80,14 @@ def run_child(cmd, log_path):
             "others_cores": round(max(0.0, busy_s() - b0 - child_cpu) / wall, 3)}
 
 
-def measure(side, cmd, args, logs, label):
+def measure(side, cmd, args, logs, label, env=None):
     """Run one benchmark child until it is clean (or `--max_reruns` extra tries are spent). Returns
     `(used, attempts)`: the first clean attempt, else the least contaminated one, and all attempt records."""
     attempts = []
     for attempt in range(1 + args.max_reruns):
         quiet = wait_for_quiet(args.busy_limit, args.quiet_wait_s)
         out = Path(logs) / f"{label}_{side}_{attempt}.json"
-        rec = run_child(cmd + ["--out", str(out)], Path(logs) / f"{label}_{side}_{attempt}.log")
+        rec = run_child(cmd + ["--out", str(out)], Path(logs) / f"{label}_{side}_{attempt}.log", env)
         if rec["rc"] != 0:
             tail = Path(logs, f"{label}_{side}_{attempt}.log").read_text()[-3000:]
             raise SystemExit(f"{side} run failed (rc {rec['rc']}): {' '.join(cmd)}\n{tail}")
@@ -93,7 +95,7 @@ def measure(side, cmd, args, logs, label):
                    contaminated=rec["others_cores"] > args.busy_limit, result=json.loads(out.read_text()))
         attempts.append(rec)
         flag = "CONTAMINATED" if rec["contaminated"] else "clean"
-        print(f"  {label} {side:5s} try {attempt}: {headline(rec):.3f} s/update, others used "
+        print(f"  {label} {side:10s} try {attempt}: {headline(rec):.3f} s/update, others used "
               f"{rec['others_cores']:.2f} cores -> {flag}", flush=True)
         if not rec["contaminated"]:
             return rec, attempts
@@ -143,10 +145,13 @@ def side_by_side(args, logs, model, rollouts, response_len, label):
               "--response_len", str(response_len), "--seed", str(args.seed), "--threads", str(args.threads)]
     cmds = {"ours": [sys.executable, str(BENCH_DIR / "ours_ppo.py"), *common, "--model_cache", args.model_cache],
             "trl": [sys.executable, str(BENCH_DIR / "trl_ppo.py"), *common]}
-    used, everything = {"ours": [], "trl": []}, []
+    sides = ["ours", "trl"] + (["trl_malloc"] if args.trl_malloc else [])
+    cmds["trl_malloc"] = cmds["trl"]
+    used, everything = {side: [] for side in sides}, []
     for run in range(args.runs):
-        for side in ("ours", "trl"):
-            rec, attempts = measure(side, cmds[side], args, logs, f"{label}_run{run}")
+        for side in sides:
+            rec, attempts = measure(side, cmds[side], args, logs, f"{label}_run{run}",
+                                    TRL_MALLOC_ENV if side == "trl_malloc" else None)
             used[side].append(rec)
             everything += [dict(compact(a), run=run, used=a is rec) for a in attempts]
     return used, everything
@@ -206,6 +211,10 @@ def main_table(args, logs):
              "| phase (median s) | ours | TRL (model calls only) |", "|---|---|---|"]
     for k in ("generation", "scoring", "training", "other", "update"):
         lines.append(f"| {k} | {ours['phases_s'][k]:.3f} | {trl['phases_s'][k]:.3f} |")
+    if "trl_malloc" in s:
+        tm, env = s["trl_malloc"], " ".join(f"{k}={v}" for k, v in TRL_MALLOC_ENV.items())
+        lines += ["", f"TRL with glibc's malloc set as ppo.py sets it (env {env}): {cell(tm)} s/update, peak RSS "
+                  f"{tm['peak_rss_mb']:.0f} MiB; ratio ours/that {ours['s_per_update'] / tm['s_per_update']:.2f}."]
     lines += ["", f"Same rollouts on both sides: RM scores per update differ by at most "
               f"{s['same_rollouts_check']['max_abs_diff']:.1e} (run 1; mean |score| "
               f"{statistics.mean(abs(x) for x in s['same_rollouts_check']['trl_scores']):.1e})."]
@@ -243,6 +252,8 @@ def main(argv=None):
     ap.add_argument("--max_reruns", type=int, default=2, help="extra tries for a contaminated run")
     ap.add_argument("--quiet_wait_s", type=float, default=120,
                     help="before each run, wait up to this long for the machine to be quiet")
+    ap.add_argument("--trl_malloc", action="store_true",
+                    help="also run TRL with glibc's malloc set as ppo.py sets it on the CPU (a third side)")
     ap.add_argument("--model_cache", default=os.path.join(tempfile.gettempdir(), "ppo_bench_models"))
     ap.add_argument("--out", default=None, help="results JSON (default benchmarks/results/<model>[_scaling].json)")
     args = ap.parse_args(argv)

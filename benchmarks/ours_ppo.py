@@ -29,7 +29,7 @@ Floor (`--floor`): the same models and first `--rollouts` prompts; one repetitio
   no-grad forwards of policy, ref, value and reward on the (B, 32+T) rollout,
   4 epochs x 2 minibatches of forward + backward of policy and value on B/2 rows and one fused AdamW step,
 each model call as backbone (`model.model`) + head only where needed (LM head on the T positions that predict
-response tokens, then logit - logsumexp; value head on those T; reward head on the last token), as ppo.py does.
+response tokens, then log_softmax and the sampled token's entry; value head on those T; reward head on the last token), as ppo.py does.
 Median over `--floor_reps` repetitions after one warm-up.
 
 Run:  python benchmarks/ours_ppo.py --model tiny --updates 4
@@ -155,6 +155,7 @@ def run_ppo(args, folder, model_info, work):
 
     import ppo
 
+    allocator_tuned = ppo.tune_cpu_allocator()  # as ppo.main does on the CPU, so the floor runs on the same malloc
     tokenizer = ppo.load_tokenizer(str(folder / "policy"))
     n_prompts = args.rollouts * args.updates
     _, prompt_stats = write_prompts(tokenizer, n_prompts, work / "prompts")
@@ -250,6 +251,7 @@ def run_floor(args, folder, model_info):
 
     import ppo
 
+    allocator_tuned = ppo.tune_cpu_allocator()  # as ppo.main does on the CPU, so the floor runs on the same malloc
     tokenizer = ppo.load_tokenizer(str(folder / "policy"))
     policy_path, reward_path = str(folder / "policy"), str(folder / "reward")
     policy = ppo.load_model(policy_path, AutoModelForCausalLM)
@@ -264,11 +266,12 @@ def run_floor(args, folder, model_info):
 
     def hidden(model, ids, mask):
         positions = ppo.position_ids_from_mask(mask)
-        return model.model(input_ids=ids, attention_mask=mask, position_ids=positions).last_hidden_state
+        return model.model(input_ids=ids, attention_mask=mask, position_ids=positions,
+                           use_cache=False).last_hidden_state
 
     def logprobs(model, ids, mask):
         logits = model.lm_head(hidden(model, ids, mask)[:, Q - 1 : -1]) / TEMPERATURE
-        return logits.gather(2, ids[:, Q:, None]).squeeze(2) - logits.logsumexp(-1)
+        return torch.log_softmax(logits, -1).gather(2, ids[:, Q:, None]).squeeze(2)
 
     def values(model, ids, mask):
         return model.score(hidden(model, ids, mask)[:, Q - 1 : -1]).squeeze(-1)
@@ -307,9 +310,10 @@ def run_floor(args, folder, model_info):
         "model": model_info,
         "settings": {"rollouts_per_update": B, "query_len": Q, "response_len": T, "ppo_epochs": PPO_EPOCHS,
                      "num_minibatches": NUM_MINIBATCHES, "torch_threads": torch.get_num_threads(),
-                     "reps": args.floor_reps, "optimizer": "torch.optim.AdamW(fused=True)", "seed": args.seed},
+                     "reps": args.floor_reps, "optimizer": "torch.optim.AdamW(fused=True)", "seed": args.seed,
+                     "cpu_allocator_tuned": allocator_tuned},
         "method": ("one generate (eos_token_id=None) + no-grad backbone+head forwards of policy, ref (LM head on the "
-                   "T response-predicting positions, logit - logsumexp), value (score head on those T), reward (score "
+                   "T response-predicting positions, log_softmax, gather), value (score head on those T), reward (score "
                    "head on the last token) on the (B, Q+T) rollout + epochs x minibatches of forward+backward of "
                    "policy and value on B/minibatches rows and a fused AdamW step; median over reps after one warm-up"),
         "reps_s": [{k: round(v, 4) for k, v in r.items()} for r in reps],
