@@ -163,7 +163,23 @@ def same_rollouts(used):
     update over the first run of each side: ~1e-6 means the two sides really ran the same workload."""
     ours = [u["objective/scores"] for u in used["ours"][0]["result"]["per_update"]]
     trl = [u["logs"]["objective/scores"] for u in used["trl"][0]["result"]["per_update"]]
-    return {"ours_scores": ours, "trl_scores": trl, "max_abs_diff": max(abs(a - b) for a, b in zip(ours, trl))}
+    # TRL cuts a response at a sampled pad token (== EOS for SmolLM2) before scoring it, ours scores all T tokens:
+    # in an update where that happened the scores differ although the sampled tokens are the same.
+    eos = [u.get("pad_eos_tokens_sampled_in_responses", 0) for u in used["trl"][0]["result"]["per_update"]]
+    return {"ours_scores": ours, "trl_scores": trl, "trl_pad_eos_sampled": eos,
+            "max_abs_diff": max(abs(a - b) for a, b in zip(ours, trl)),
+            "max_abs_diff_no_eos": max((abs(a - b) for a, b, n in zip(ours, trl, eos) if n == 0), default=None)}
+
+
+def same_rollouts_line(check):
+    """One sentence on the same-rollouts check, honest about updates where TRL cut responses at a sampled EOS."""
+    line = (f"Same rollouts on both sides: RM scores per update differ by at most {check['max_abs_diff']:.1e} "
+            f"(first runs; mean |score| {statistics.mean(abs(x) for x in check['trl_scores']):.1e})")
+    if any(check["trl_pad_eos_sampled"]):
+        line += (f". Not a clean check here: pad/EOS tokens were sampled inside responses "
+                 f"({check['trl_pad_eos_sampled']} per update), which TRL scores cut at that token and ours in full, "
+                 f"and from then on the two policies train on different scores (and only ours clips gradients)")
+    return line + "."
 
 
 def summary(used):
@@ -215,9 +231,7 @@ def main_table(args, logs):
         tm, env = s["trl_malloc"], " ".join(f"{k}={v}" for k, v in TRL_MALLOC_ENV.items())
         lines += ["", f"TRL with glibc's malloc set as ppo.py sets it (env {env}): {cell(tm)} s/update, peak RSS "
                   f"{tm['peak_rss_mb']:.0f} MiB; ratio ours/that {ours['s_per_update'] / tm['s_per_update']:.2f}."]
-    lines += ["", f"Same rollouts on both sides: RM scores per update differ by at most "
-              f"{s['same_rollouts_check']['max_abs_diff']:.1e} (run 1; mean |score| "
-              f"{statistics.mean(abs(x) for x in s['same_rollouts_check']['trl_scores']):.1e})."]
+    lines += ["", same_rollouts_line(s["same_rollouts_check"])]
     return s, runs, lines
 
 
