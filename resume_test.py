@@ -203,6 +203,11 @@ if accelerator.is_main_process:
 accelerator.wait_for_everyone()
 if torch.distributed.is_initialized():  # a clean shutdown: gloo can abort a process left to exit mid-teardown
     torch.distributed.destroy_process_group()
+# Even so, this script's second process was seen to abort *after* its Python code had finished ("terminate called
+# without an active exception" during interpreter teardown: 2 of 5 pytest runs, 1 of 32 direct launches; not seen in
+# ppo.py's own 2-process runs). The results are written and checked above, so skip the teardown.
+sys.stdout.flush()
+import os; os._exit(0)
 '''
 
 
