@@ -167,8 +167,7 @@ def same_rollouts(used):
     # in an update where that happened the scores differ although the sampled tokens are the same.
     eos = [u.get("pad_eos_tokens_sampled_in_responses", 0) for u in used["trl"][0]["result"]["per_update"]]
     return {"ours_scores": ours, "trl_scores": trl, "trl_pad_eos_sampled": eos,
-            "max_abs_diff": max(abs(a - b) for a, b in zip(ours, trl)),
-            "max_abs_diff_no_eos": max((abs(a - b) for a, b, n in zip(ours, trl, eos) if n == 0), default=None)}
+            "max_abs_diff": max(abs(a - b) for a, b in zip(ours, trl))}
 
 
 def same_rollouts_line(check):
