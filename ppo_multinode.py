@@ -83,7 +83,8 @@ from accelerate import Accelerator, PartialState
 from accelerate.logging import get_logger
 from accelerate.utils import DistributedType, InitProcessGroupKwargs, set_seed
 from tqdm.auto import tqdm
-from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
+from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer,
+                          GenerationConfig, PretrainedConfig)
 
 logger = get_logger(__name__)
 
@@ -304,16 +305,18 @@ def load_tokenizer(name_or_path):
 
 
 def load_model(name_or_path, model_class, **kwargs):
-    """`model_class.from_pretrained(name_or_path)`, also for GGUF files, always as a plain float32 model.
+    """`model_class.from_pretrained(name_or_path)`, also for GGUF files, always as a plain float32 model, dropout off.
 
     A GGUF checkpoint is dequantized by transformers into a model that cannot be saved; it is rebuilt here from its
     config and state dict as an ordinary model of `model_class` (for a sequence-classification class the LM head is
-    dropped and the new `score` head is left to the caller to initialise). Dropout is switched off in the config:
-    RLHF needs deterministic forward passes (PPO's ratio must be exactly 1 before the first update).
+    dropped and the new `score` head is left to the caller to initialise). `kwargs` are config overrides
+    (`num_labels=1`). Dropout is zeroed in the config *before* the model is built (`disable_dropout`): RLHF needs
+    deterministic forward passes (PPO's ratio must be exactly 1 before the first update).
     """
     source, gguf_file = resolve_model_source(name_or_path)
     if gguf_file is None:
-        model = model_class.from_pretrained(source, **kwargs)
+        config = AutoConfig.from_pretrained(source, **kwargs)
+        model = model_class.from_pretrained(source, config=disable_dropout(config))
     else:
         causal_lm = AutoModelForCausalLM.from_pretrained(source, gguf_file=gguf_file)
         config = causal_lm.config
@@ -321,21 +324,42 @@ def load_model(name_or_path, model_class, **kwargs):
             del config.quantization_config
         for key, value in kwargs.items():
             setattr(config, key, value)
-        model = model_class.from_config(config)
+        model = model_class.from_config(disable_dropout(config))
         model.load_state_dict(causal_lm.state_dict(), strict=model_class is AutoModelForCausalLM)
     disable_dropout(model)
     return model.float()
 
 
-def disable_dropout(model):
-    """Set every dropout probability in `model` to 0, in place (modules and the config-driven attention dropout)."""
-    for module in model.modules():
-        if isinstance(module, torch.nn.Dropout):
-            module.p = 0.0
-    for key in ("attention_dropout", "hidden_dropout", "dropout", "hidden_dropout_prob",
-                "attention_probs_dropout_prob"):
-        if isinstance(getattr(model.config, key, None), float):
-            setattr(model.config, key, 0.0)
+def disable_dropout(config_or_model):
+    """Set every dropout probability to 0, in place, in a config (before the model is built) or in a built model;
+    returns its argument.
+
+    Zeroing the config after construction is not enough: modules copy the probability into their own attributes
+    when they are built (transformers' Llama attention keeps a float `attention_dropout`), and they would go on
+    dropping in train mode. So the config is cleaned first (every float setting whose name contains "drop":
+    `attention_dropout`, `hidden_dropout_prob`, `resid_pdrop`, `layerdrop`, ..., sub-configs included), and the
+    built model is swept too: `nn.Dropout` modules and float "drop" attributes of every module, for architectures
+    that hard-code a probability.
+    """
+    if isinstance(config_or_model, torch.nn.Module):
+        for module in config_or_model.modules():
+            if isinstance(module, torch.nn.Dropout):
+                module.p = 0.0
+        objects = [module.__dict__ for module in config_or_model.modules()] + [config_or_model.config.__dict__]
+    else:
+        objects = [config_or_model.__dict__]
+    seen = set()
+    while objects:
+        attributes = objects.pop()
+        if id(attributes) in seen:
+            continue
+        seen.add(id(attributes))
+        for key, value in list(attributes.items()):
+            if isinstance(value, PretrainedConfig):
+                objects.append(value.__dict__)  # a sub-config (`text_config`), or the config a module keeps
+            elif "drop" in key.lower() and isinstance(value, float):
+                attributes[key] = 0.0
+    return config_or_model
 
 
 def tune_cpu_allocator():
@@ -767,15 +791,17 @@ def per_token_rewards(scores, logprobs, ref_logprobs, response_mask, kl_coef):
 def global_masked_stats(accelerator, values, mask):
     """Mean and (unbiased) variance of `values` over the positions where `mask` is 1, over ALL processes.
 
-    `values`, `mask`: same shape. Returns 0-dim float32 tensors. Sums, sums of squares and counts are reduced first
-    and divided after, so the result is the statistic of all samples, never a mean of per-process means.
+    `values`, `mask`: same shape. Returns 0-dim float32 tensors. Sums and counts are reduced first and divided after,
+    so the result is the statistic of all samples, never a mean of per-process means. Two passes (two reductions):
+    the global mean first, then the squared deviations from it. The one-pass E[x^2] - E[x]^2 cancels catastrophically
+    in float32 when the mean is large against the spread (scores around 1e4 lose the variance entirely); deviations
+    keep whitening shift-invariant to float precision.
     """
     mask = mask.float()
-    sums = torch.stack([(values * mask).sum(), (values.square() * mask).sum(), mask.sum()])
-    total, total_sq, count = accelerator.reduce(sums, reduction="sum")
+    total, count = accelerator.reduce(torch.stack([(values * mask).sum(), mask.sum()]), reduction="sum")
     mean = total / count
-    var = (total_sq - count * mean.square()) / (count - 1).clamp(min=1)
-    return mean, var.clamp(min=0)
+    squared_deviations = accelerator.reduce(((values - mean).square() * mask).sum(), reduction="sum")
+    return mean, squared_deviations / (count - 1).clamp(min=1)
 
 
 def masked_whiten(accelerator, values, mask, shift_mean=True):
@@ -808,35 +834,39 @@ def compute_gae(rewards, values, mask, gamma, lam):
     return advantages, (advantages + values) * mask
 
 
-def ppo_losses(new_logprobs, logprobs, advantages, new_values, values, returns, mask, cliprange, cliprange_value):
+def ppo_losses(new_logprobs, logprobs, advantages, new_values, values, returns, mask, cliprange, cliprange_value,
+               n_tokens=None):
     """Clipped PPO policy loss and clipped value loss (Schulman et al. 2017), with their statistics.
 
     All inputs (B, T) float32; `mask` 1 on real response tokens. Returns `(pg_loss, vf_loss, stats)`: the two losses
-    are token means over the mask; `stats` maps names to `(sum, count)` pairs of 0-dim tensors, to be reduced over
-    microbatches and processes before dividing. The value loss takes the larger of the unclipped and the clipped
-    squared error, as in the OpenAI lm-human-preferences code, times 0.5.
+    are sums over the masked tokens divided by `n_tokens` (0-dim; default `mask.sum()`, the token mean; `ppo_epochs`
+    passes the whole minibatch's count, so that microbatches add up to the minibatch's token mean); `stats` maps
+    names to `(sum, count)` pairs of 0-dim tensors, to be reduced over microbatches and processes before dividing.
+    The value loss takes the larger of the unclipped and the clipped squared error, as in the OpenAI
+    lm-human-preferences code, times 0.5.
     """
     count = mask.sum()
+    n_tokens = count if n_tokens is None else n_tokens
     log_ratio = (new_logprobs - logprobs) * mask
     ratio = log_ratio.exp()
     pg_losses = torch.max(-advantages * ratio, -advantages * ratio.clamp(1 - cliprange, 1 + cliprange))
-    pg_loss = (pg_losses * mask).sum() / count
+    pg_sum = (pg_losses * mask).sum()
     clipped_values = values + (new_values - values).clamp(-cliprange_value, cliprange_value)
     vf_losses = torch.max((new_values - returns).square(), (clipped_values - returns).square())
-    vf_loss = 0.5 * (vf_losses * mask).sum() / count
+    vf_sum = 0.5 * (vf_losses * mask).sum()
     with torch.no_grad():
         stats = {
             "policy/approxkl": (0.5 * (log_ratio.square() * mask).sum(), count),  # k2 estimator of KL(old || new)
             "policy/clipfrac": (((advantages * (ratio - ratio.clamp(1 - cliprange, 1 + cliprange))).abs() > 0).float()
                                 .mul(mask).sum(), count),
             "policy/max_abs_log_ratio": (log_ratio.abs().max(), torch.ones_like(count)),
-            "loss/policy": (pg_loss * count, count),
-            "loss/value": (vf_loss * count, count),
+            "loss/policy": (pg_sum, count),
+            "loss/value": (vf_sum, count),
             "val/clipfrac": (((new_values - values).abs() > cliprange_value).float().mul(mask).sum(), count),
             "val/vpred": ((new_values * mask).sum(), count),
             "val/ratio": ((ratio * mask).sum(), count),
         }
-    return pg_loss, vf_loss, stats
+    return pg_sum / n_tokens, vf_sum / n_tokens, stats
 
 
 def minibatch_schedule(local_batch_size, num_mini_batches, num_micro_batches, epochs, generator,
@@ -891,9 +921,17 @@ def ppo_epochs(accelerator, model, optimizer, scheduler, rollouts, args, update)
     stats = defaultdict(lambda: torch.zeros(E, M, U, 2, device=accelerator.device))
     # Same seed on every process (see minibatch_schedule), a new one every update.
     generator = torch.Generator().manual_seed(args.seed * 100_003 + update)
-    schedule = minibatch_schedule(args.local_batch_size, M, U, E, generator, accelerator.process_index,
-                                  accelerator.num_processes)
-    for epoch, mb, microbatches in schedule:
+    schedule = list(minibatch_schedule(args.local_batch_size, M, U, E, generator, accelerator.process_index,
+                                       accelerator.num_processes))
+    # Real tokens of each minibatch, all its microbatches on all processes (one reduction for the whole update). Each
+    # microbatch's summed token loss is divided by it: an optimizer step is then the step on the token mean of the
+    # whole minibatch, however it is cut into microbatches and processes. A mean of microbatch means would weigh a
+    # token of a short microbatch more than one of a long microbatch (README, "Implementation notes").
+    row_tokens = rollouts["mask"].sum(1)
+    local_tokens = torch.stack([sum(row_tokens[idx.to(accelerator.device)].sum() for idx in micro)
+                                for _, _, micro in schedule])
+    minibatch_tokens = accelerator.reduce(local_tokens, reduction="sum")
+    for step, (epoch, mb, microbatches) in enumerate(schedule):
         for micro, idx in enumerate(microbatches):
             mb_data = {k: v[idx.to(accelerator.device)] for k, v in rollouts.items()}
             # accumulate(): no gradient all-reduce and no optimizer step until the U-th microbatch.
@@ -903,14 +941,15 @@ def ppo_epochs(accelerator, model, optimizer, scheduler, rollouts, args, update)
                                                                args.temperature)
                 pg_loss, vf_loss, mb_stats = ppo_losses(
                     new_logprobs, mb_data["logprobs"], mb_data["advantages"], new_values, mb_data["values"],
-                    mb_data["returns"], mb_data["mask"], args.cliprange, args.cliprange_value)
+                    mb_data["returns"], mb_data["mask"], args.cliprange, args.cliprange_value,
+                    n_tokens=minibatch_tokens[step])
                 loss = pg_loss + args.vf_coef * vf_loss
                 if not torch.isfinite(loss):
                     raise FloatingPointError(f"update {update}: non-finite PPO loss (epoch {epoch}, minibatch {mb}, "
                                              f"microbatch {micro}).")
-                # Each microbatch's loss is a token mean; backward() divides it by U, so the gradients summed over
-                # the minibatch's U microbatches are their mean (and DDP averages them over processes).
-                accelerator.backward(loss)
+                # The losses are already this microbatch's share of the minibatch's token mean, but backward()
+                # divides by U and DDP averages gradients over processes: scaling by U * processes undoes both.
+                accelerator.backward(loss * (U * accelerator.num_processes))
                 if accelerator.sync_gradients:
                     accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
                 optimizer.step()  # a no-op until the U-th microbatch
@@ -987,19 +1026,33 @@ def sharded_generation_context(accelerator, model):
 @torch.no_grad()
 def synced_rollout(policy, query_ids, query_mask, args, stop_token_id, pad_token_id, synced_gpus):
     """Sample one response per query: (B, T) long, T = response_length (shorter if all rows stopped early, then
-    padded back to T). Plain sampling at `temperature`: top_k 0 and top_p 1 so the sampling distribution is exactly
-    softmax(logits / temperature), the one the logprobs are computed with.
+    padded back to T). Plain sampling at `temperature`, top_k 0, top_p 1 and nothing else (`generate_with`), so the
+    sampling distribution is exactly softmax(logits / temperature), the one the logprobs are computed with.
 
     `synced_gpus` (ZeRO-3, FSDP): every generation step gathers the sharded weights, a collective, so a process whose
     rows have all stopped keeps stepping (its output is discarded) until all processes have stopped; without it the
     others would wait forever for its share of the weights. transformers turns it on by itself only when it sees
     ZeRO-3 registered or an FSDP-wrapped model, and the unwrapped policy is not one, so it is passed explicitly."""
-    out = policy.generate(input_ids=query_ids, attention_mask=query_mask, max_new_tokens=args.response_length,
-                          min_new_tokens=args.response_length if stop_token_id is None else 0,
-                          do_sample=True, temperature=args.temperature, top_k=0, top_p=1.0,
-                          eos_token_id=stop_token_id, pad_token_id=pad_token_id, synced_gpus=synced_gpus)
+    sampling = GenerationConfig(max_new_tokens=args.response_length, do_sample=True, temperature=args.temperature,
+                                top_k=0, top_p=1.0, eos_token_id=stop_token_id, pad_token_id=pad_token_id)
+    out = generate_with(policy, sampling, input_ids=query_ids, attention_mask=query_mask, synced_gpus=synced_gpus)
     responses = out[:, query_ids.shape[1]:]
     return F.pad(responses, (0, args.response_length - responses.shape[1]), value=pad_token_id)
+
+
+def generate_with(model, generation_config, **inputs):
+    """`model.generate(**inputs)` under `generation_config` and nothing else; returns what `generate` returns.
+
+    transformers fills every setting a config leaves unset from the checkpoint's own `generation_config.json`, where
+    instruct models ship repetition penalties, min_p, bad words or a minimum length. Any of them would change the
+    distribution the tokens are drawn from, so the logprobs PPO stores would not be the sampling distribution and
+    its ratio would be wrong from the first step. The checkpoint's config is set aside for the call (and kept for
+    saving)."""
+    saved, model.generation_config = model.generation_config, generation_config
+    try:
+        return model.generate(**inputs, generation_config=generation_config)
+    finally:
+        model.generation_config = saved
 
 
 @torch.no_grad()

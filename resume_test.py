@@ -10,6 +10,7 @@
 """
 
 import glob
+import importlib.util
 import json
 import os
 import signal
@@ -147,18 +148,24 @@ def launch(num_processes, args):
 
 @pytest.mark.parametrize("stage", ["sft", "reward"])
 def test_one_process_accumulating_equals_two_processes(stage, tiny_model_dir, tiny_rm_dir, tmp_path):  # noqa: F811
-    outs = {}
-    for processes, accumulation in [(1, 2), (2, 1)]:
-        out = str(tmp_path / f"p{processes}")
-        cmd = stage_command(stage, tiny_model_dir, tiny_rm_dir, out, f"p{processes}",
+    """The same global batch of 8, cut three ways: 1 process x 2 microbatches of 4, 2 processes x 1 of 4, and (SFT)
+    1 process x 1 microbatch of 8. SFT completions differ in length, so this also checks that the loss is the
+    token mean of the whole batch, not a mean of microbatch means (reward pairs weigh equally either way)."""
+    layouts = [(1, 2, 4), (2, 1, 4)] + ([(1, 1, 8)] if stage == "sft" else [])
+    outs = []
+    for processes, accumulation, per_device in layouts:
+        out = str(tmp_path / f"p{processes}u{accumulation}")
+        cmd = stage_command(stage, tiny_model_dir, tiny_rm_dir, out, os.path.basename(out),
                             ["--gradient_accumulation_steps", str(accumulation), "--learning_rate", "1e-3"])
         cmd = [c for c in cmd[1:]]  # drop the interpreter: accelerate launch starts the script
         cmd[cmd.index("--max_steps") + 1] = "2"
+        cmd[cmd.index("--per_device_train_batch_size") + 1] = str(per_device)
         launch(processes, cmd)
-        outs[processes] = out
-    assert_same_weights(outs[1], outs[2], atol=1e-5)
+        outs.append(out)
+    for out in outs[1:]:
+        assert_same_weights(outs[0], out, atol=1e-5)
     before = load_file(os.path.join(tiny_model_dir, "model.safetensors"))
-    after = load_file(os.path.join(outs[1], "model.safetensors"))
+    after = load_file(os.path.join(outs[0], "model.safetensors"))
     assert any((before[k] - after[k]).abs().max() > 1e-4 for k in before if k in after)  # it did train
 
 
@@ -168,9 +175,9 @@ sys.path.insert(0, sys.argv[1])
 import ppo
 from accelerate import Accelerator
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
-model_dir, rm_dir, out, accumulation = sys.argv[2], sys.argv[3], sys.argv[4], int(sys.argv[5])
+model_dir, rm_dir, out, accumulation, minibatches = sys.argv[2], sys.argv[3], sys.argv[4], int(sys.argv[5]), int(sys.argv[6])
 accelerator = Accelerator(gradient_accumulation_steps=accumulation)
-args = ppo.derive_sizes(ppo.Args(batch_size=8, num_mini_batches=2, gradient_accumulation_steps=accumulation,
+args = ppo.derive_sizes(ppo.Args(batch_size=8, num_mini_batches=minibatches, gradient_accumulation_steps=accumulation,
                                  ppo_epochs=2, query_length=5, temperature=0.7, total_episodes=8),
                         accelerator.num_processes)
 model = ppo.PolicyAndValue(ppo.load_model(model_dir, AutoModelForCausalLM),
@@ -180,9 +187,10 @@ scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
 model, optimizer = accelerator.prepare(model, optimizer)
 # The same global rollouts for any number of processes; process i takes rows [i*L, (i+1)*L).
 g = torch.Generator().manual_seed(0)
-B, Q, T = 8, 5, 6
+B, Q, T = 8, 5, 8
 query_responses = torch.randint(10, 1000, (B, Q + T), generator=g)
-response_mask = (torch.arange(T)[None] < torch.randint(2, T + 1, (B, 1), generator=g)).long()
+# Responses of very unequal lengths (1 to 8 tokens): microbatches then hold different numbers of tokens.
+response_mask = (torch.arange(T)[None] < torch.tensor([[1], [8], [2], [7], [1], [3], [8], [1]])).long()
 attention_mask = torch.cat([torch.ones(B, Q, dtype=torch.long), response_mask], 1)
 mask = response_mask.float()
 with torch.no_grad():
@@ -211,20 +219,29 @@ import os; os._exit(0)
 '''
 
 
-def test_ppo_update_is_world_size_invariant(tiny_model_dir, tiny_rm_dir, tmp_path):  # noqa: F811
+@pytest.mark.parametrize("minibatches, layouts", [
+    (2, [(1, 2), (2, 1)]),  # the same microbatches, spread over 1 or 2 processes
+    # One minibatch of all 8 rollouts: one microbatch, two, or one per process. The responses differ in length, so
+    # only a loss normalised by the minibatch's token count (not a mean of microbatch means) gives the same step.
+    (1, [(1, 1), (1, 2), (2, 1), (2, 2)]),
+])
+def test_ppo_update_is_world_size_invariant(minibatches, layouts, tiny_model_dir, tiny_rm_dir, tmp_path):  # noqa: F811
     script = tmp_path / "one_update.py"
     script.write_text(PPO_UPDATE_SCRIPT)
-    for processes, accumulation in [(1, 2), (2, 1)]:
-        launch(processes, [str(script), HERE, tiny_model_dir, tiny_rm_dir, str(tmp_path / f"p{processes}"),
-                           str(accumulation)])
-    a, b = torch.load(tmp_path / "p1.pt"), torch.load(tmp_path / "p2.pt")
-    for key in a:
-        torch.testing.assert_close(a[key], b[key], atol=1e-5, rtol=0, msg=f"{key} differs")
-    metrics_a = json.loads((tmp_path / "p1.json").read_text())
-    metrics_b = json.loads((tmp_path / "p2.json").read_text())
-    assert metrics_a.keys() == metrics_b.keys() and len(metrics_a) > 5
-    for key in metrics_a:
-        assert metrics_a[key] == pytest.approx(metrics_b[key], abs=1e-5, rel=1e-5), key
+    results = []
+    for processes, accumulation in layouts:
+        out = tmp_path / f"p{processes}u{accumulation}"
+        launch(processes, [str(script), HERE, tiny_model_dir, tiny_rm_dir, str(out), str(accumulation),
+                           str(minibatches)])
+        results.append((torch.load(str(out) + ".pt"), json.loads(open(str(out) + ".json").read())))
+    (weights_a, metrics_a), changed = results[0], False
+    for weights_b, metrics_b in results[1:]:
+        for key in weights_a:
+            torch.testing.assert_close(weights_a[key], weights_b[key], atol=1e-5, rtol=0, msg=f"{key} differs")
+        assert metrics_a.keys() == metrics_b.keys() and len(metrics_a) > 5
+        for key in metrics_a:
+            assert metrics_a[key] == pytest.approx(metrics_b[key], abs=1e-5, rel=1e-5), key
+    assert metrics_a["policy/approxkl"] > 0  # the second epoch saw a changed policy: the update did something
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -261,6 +278,25 @@ def test_bad_input_gives_one_clear_error(tiny_model_dir, tiny_rm_dir, tmp_path):
         assert last.startswith("error: ") and message in last, f"{name}: {last}"
         assert "Traceback" not in proc.stdout, name
         assert not os.path.exists(out) and not os.path.exists(out + ".tmp"), name
+
+
+@pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="deepspeed is not installed")
+def test_ppo_py_refuses_zero3(tiny_model_dir, tiny_rm_dir, tmp_path):  # noqa: F811
+    """Under ZeRO-3 every generation step gathers sharded weights (a collective), so ppo.py, which does not keep
+    generation in step across processes, could hang: it must stop at once, on every process, pointing elsewhere.
+    DeepSpeed on the CPU: no ACCELERATE_USE_CPU (accelerate would quietly fall back to DDP with it)."""
+    out = str(tmp_path / "out")
+    env = {k: v for k, v in os.environ.items() if k != "ACCELERATE_USE_CPU"}
+    proc = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+                           "configs/deepspeed_zero3.yaml", "--num_processes", "2", "--main_process_port",
+                           str(29500 + os.getpid() % 1000), "ppo.py", "--sft_model_path", tiny_model_dir,
+                           "--reward_model_path", tiny_rm_dir, "--output_dir", out, "--log_dir",
+                           str(tmp_path / "tb")], cwd=HERE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                          text=True, timeout=TIMEOUT, env=env)
+    errors = [line for line in proc.stdout.splitlines() if line.startswith("error: ")]
+    assert proc.returncode != 0
+    assert len(errors) == 2 and all("ppo_multinode.py" in e and "ZeRO-3" in e for e in errors), proc.stdout[-3000:]
+    assert not os.path.exists(out)
 
 
 def test_resume_with_another_config_is_refused(tiny_model_dir, tiny_rm_dir, tmp_path):  # noqa: F811

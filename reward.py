@@ -56,7 +56,8 @@ from accelerate import Accelerator, PartialState
 from accelerate.logging import get_logger
 from accelerate.utils import InitProcessGroupKwargs, set_seed
 from tqdm.auto import tqdm
-from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer, get_scheduler
+from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer,
+                          PretrainedConfig, get_scheduler)
 
 logger = get_logger(__name__)
 
@@ -199,16 +200,18 @@ def load_tokenizer(name_or_path):
 
 
 def load_model(name_or_path, model_class, **kwargs):
-    """`model_class.from_pretrained(name_or_path)`, also for GGUF files, always as a plain float32 model.
+    """`model_class.from_pretrained(name_or_path)`, also for GGUF files, always as a plain float32 model, dropout off.
 
     A GGUF checkpoint is dequantized by transformers into a model that cannot be saved; it is rebuilt here from its
     config and state dict as an ordinary model of `model_class` (for a sequence-classification class the LM head is
-    dropped and the new `score` head is left to the caller to initialise). Dropout is switched off in the config:
-    RLHF needs deterministic forward passes (PPO's ratio must be exactly 1 before the first update).
+    dropped and the new `score` head is left to the caller to initialise). `kwargs` are config overrides
+    (`num_labels=1`). Dropout is zeroed in the config *before* the model is built (`disable_dropout`): RLHF needs
+    deterministic forward passes (PPO's ratio must be exactly 1 before the first update).
     """
     source, gguf_file = resolve_model_source(name_or_path)
     if gguf_file is None:
-        model = model_class.from_pretrained(source, **kwargs)
+        config = AutoConfig.from_pretrained(source, **kwargs)
+        model = model_class.from_pretrained(source, config=disable_dropout(config))
     else:
         causal_lm = AutoModelForCausalLM.from_pretrained(source, gguf_file=gguf_file)
         config = causal_lm.config
@@ -216,21 +219,42 @@ def load_model(name_or_path, model_class, **kwargs):
             del config.quantization_config
         for key, value in kwargs.items():
             setattr(config, key, value)
-        model = model_class.from_config(config)
+        model = model_class.from_config(disable_dropout(config))
         model.load_state_dict(causal_lm.state_dict(), strict=model_class is AutoModelForCausalLM)
     disable_dropout(model)
     return model.float()
 
 
-def disable_dropout(model):
-    """Set every dropout probability in `model` to 0, in place (modules and the config-driven attention dropout)."""
-    for module in model.modules():
-        if isinstance(module, torch.nn.Dropout):
-            module.p = 0.0
-    for key in ("attention_dropout", "hidden_dropout", "dropout", "hidden_dropout_prob",
-                "attention_probs_dropout_prob"):
-        if isinstance(getattr(model.config, key, None), float):
-            setattr(model.config, key, 0.0)
+def disable_dropout(config_or_model):
+    """Set every dropout probability to 0, in place, in a config (before the model is built) or in a built model;
+    returns its argument.
+
+    Zeroing the config after construction is not enough: modules copy the probability into their own attributes
+    when they are built (transformers' Llama attention keeps a float `attention_dropout`), and they would go on
+    dropping in train mode. So the config is cleaned first (every float setting whose name contains "drop":
+    `attention_dropout`, `hidden_dropout_prob`, `resid_pdrop`, `layerdrop`, ..., sub-configs included), and the
+    built model is swept too: `nn.Dropout` modules and float "drop" attributes of every module, for architectures
+    that hard-code a probability.
+    """
+    if isinstance(config_or_model, torch.nn.Module):
+        for module in config_or_model.modules():
+            if isinstance(module, torch.nn.Dropout):
+                module.p = 0.0
+        objects = [module.__dict__ for module in config_or_model.modules()] + [config_or_model.config.__dict__]
+    else:
+        objects = [config_or_model.__dict__]
+    seen = set()
+    while objects:
+        attributes = objects.pop()
+        if id(attributes) in seen:
+            continue
+        seen.add(id(attributes))
+        for key, value in list(attributes.items()):
+            if isinstance(value, PretrainedConfig):
+                objects.append(value.__dict__)  # a sub-config (`text_config`), or the config a module keeps
+            elif "drop" in key.lower() and isinstance(value, float):
+                attributes[key] = 0.0
+    return config_or_model
 
 
 def tune_cpu_allocator():

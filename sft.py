@@ -44,7 +44,8 @@ from accelerate import Accelerator, PartialState
 from accelerate.logging import get_logger
 from accelerate.utils import InitProcessGroupKwargs, set_seed
 from tqdm.auto import tqdm
-from transformers import AutoModelForCausalLM, AutoTokenizer, get_scheduler
+from transformers import (AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig, PretrainedConfig,
+                          get_scheduler)
 
 logger = get_logger(__name__)
 
@@ -181,16 +182,18 @@ def load_tokenizer(name_or_path):
 
 
 def load_model(name_or_path, model_class, **kwargs):
-    """`model_class.from_pretrained(name_or_path)`, also for GGUF files, always as a plain float32 model.
+    """`model_class.from_pretrained(name_or_path)`, also for GGUF files, always as a plain float32 model, dropout off.
 
     A GGUF checkpoint is dequantized by transformers into a model that cannot be saved; it is rebuilt here from its
     config and state dict as an ordinary model of `model_class` (for a sequence-classification class the LM head is
-    dropped and the new `score` head is left to the caller to initialise). Dropout is switched off in the config:
-    RLHF needs deterministic forward passes (PPO's ratio must be exactly 1 before the first update).
+    dropped and the new `score` head is left to the caller to initialise). `kwargs` are config overrides
+    (`num_labels=1`). Dropout is zeroed in the config *before* the model is built (`disable_dropout`): RLHF needs
+    deterministic forward passes (PPO's ratio must be exactly 1 before the first update).
     """
     source, gguf_file = resolve_model_source(name_or_path)
     if gguf_file is None:
-        model = model_class.from_pretrained(source, **kwargs)
+        config = AutoConfig.from_pretrained(source, **kwargs)
+        model = model_class.from_pretrained(source, config=disable_dropout(config))
     else:
         causal_lm = AutoModelForCausalLM.from_pretrained(source, gguf_file=gguf_file)
         config = causal_lm.config
@@ -198,21 +201,42 @@ def load_model(name_or_path, model_class, **kwargs):
             del config.quantization_config
         for key, value in kwargs.items():
             setattr(config, key, value)
-        model = model_class.from_config(config)
+        model = model_class.from_config(disable_dropout(config))
         model.load_state_dict(causal_lm.state_dict(), strict=model_class is AutoModelForCausalLM)
     disable_dropout(model)
     return model.float()
 
 
-def disable_dropout(model):
-    """Set every dropout probability in `model` to 0, in place (modules and the config-driven attention dropout)."""
-    for module in model.modules():
-        if isinstance(module, torch.nn.Dropout):
-            module.p = 0.0
-    for key in ("attention_dropout", "hidden_dropout", "dropout", "hidden_dropout_prob",
-                "attention_probs_dropout_prob"):
-        if isinstance(getattr(model.config, key, None), float):
-            setattr(model.config, key, 0.0)
+def disable_dropout(config_or_model):
+    """Set every dropout probability to 0, in place, in a config (before the model is built) or in a built model;
+    returns its argument.
+
+    Zeroing the config after construction is not enough: modules copy the probability into their own attributes
+    when they are built (transformers' Llama attention keeps a float `attention_dropout`), and they would go on
+    dropping in train mode. So the config is cleaned first (every float setting whose name contains "drop":
+    `attention_dropout`, `hidden_dropout_prob`, `resid_pdrop`, `layerdrop`, ..., sub-configs included), and the
+    built model is swept too: `nn.Dropout` modules and float "drop" attributes of every module, for architectures
+    that hard-code a probability.
+    """
+    if isinstance(config_or_model, torch.nn.Module):
+        for module in config_or_model.modules():
+            if isinstance(module, torch.nn.Dropout):
+                module.p = 0.0
+        objects = [module.__dict__ for module in config_or_model.modules()] + [config_or_model.config.__dict__]
+    else:
+        objects = [config_or_model.__dict__]
+    seen = set()
+    while objects:
+        attributes = objects.pop()
+        if id(attributes) in seen:
+            continue
+        seen.add(id(attributes))
+        for key, value in list(attributes.items()):
+            if isinstance(value, PretrainedConfig):
+                objects.append(value.__dict__)  # a sub-config (`text_config`), or the config a module keeps
+            elif "drop" in key.lower() and isinstance(value, float):
+                attributes[key] = 0.0
+    return config_or_model
 
 
 def tune_cpu_allocator():
@@ -518,13 +542,31 @@ def evaluate_sft(accelerator, model, eval_loader):
 
 @torch.no_grad()
 def generate_samples(model, tokenizer, prompts, max_length):
-    """Greedy completions (strings) of `prompts`, for a quick look in tensorboard; left-padded batch generation."""
+    """Greedy completions (strings) of `prompts`, for a quick look in tensorboard; left-padded batch generation.
+    Greedy and nothing else (`generate_with`): the samples show what the model itself predicts, not what the
+    checkpoint's repetition penalty or length settings make of it."""
     tokenizer.padding_side = "left"
     batch = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False).to(model.device)
     tokenizer.padding_side = "right"
-    out = model.generate(**batch, max_new_tokens=max_length - batch["input_ids"].shape[1], do_sample=False,
-                         pad_token_id=tokenizer.pad_token_id)
+    greedy = GenerationConfig(max_new_tokens=max_length - batch["input_ids"].shape[1], do_sample=False,
+                              eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    out = generate_with(model, greedy, **batch)
     return tokenizer.batch_decode(out[:, batch["input_ids"].shape[1]:], skip_special_tokens=True)
+
+
+def generate_with(model, generation_config, **inputs):
+    """`model.generate(**inputs)` under `generation_config` and nothing else; returns what `generate` returns.
+
+    transformers fills every setting a config leaves unset from the checkpoint's own `generation_config.json`, where
+    instruct models ship repetition penalties, min_p, bad words or a minimum length. Any of them would change the
+    distribution the tokens are drawn from, so the logprobs PPO stores would not be the sampling distribution and
+    its ratio would be wrong from the first step. The checkpoint's config is set aside for the call (and kept for
+    saving)."""
+    saved, model.generation_config = model.generation_config, generation_config
+    try:
+        return model.generate(**inputs, generation_config=generation_config)
+    finally:
+        model.generation_config = saved
 
 
 def main(args: Args):
@@ -603,15 +645,22 @@ def main(args: Args):
     progress = tqdm(total=args.max_steps, initial=step, desc="sft", disable=not accelerator.is_local_main_process)
     while step < args.max_steps:
         totals = torch.zeros(2, device=accelerator.device)  # (loss sum, completion tokens) of this step
-        for idx in step_indices(step, len(train_rows), args.per_device_train_batch_size, U, rank, world, args.seed):
-            batch = {k: v.to(accelerator.device) for k, v in collate([train_rows[i] for i in idx]).items()}
+        microbatches = [{k: v.to(accelerator.device) for k, v in collate([train_rows[i] for i in idx]).items()}
+                        for idx in step_indices(step, len(train_rows), args.per_device_train_batch_size, U, rank,
+                                                world, args.seed)]
+        # Completion tokens of the whole step, all microbatches of all processes (one reduction, before any
+        # backward). Each microbatch's summed loss is divided by it, so the step follows the token mean of the
+        # global batch however it is cut; a mean of microbatch means would weigh tokens of short completions more.
+        step_tokens = accelerator.reduce(sum((b["labels"][:, 1:] != -100).sum() for b in microbatches).float(),
+                                         reduction="sum").clamp(min=1)
+        for batch in microbatches:
             with accelerator.accumulate(model):
                 batch_loss, n_tokens = completion_loss(model, batch)
                 if not torch.isfinite(batch_loss):
                     raise FloatingPointError(f"step {step + 1}: non-finite SFT loss.")
-                # Mean over this microbatch's completion tokens; backward() divides by U, so the accumulated
-                # gradient is the mean over the step's microbatches (and DDP averages over processes).
-                accelerator.backward(batch_loss / n_tokens.clamp(min=1))
+                # backward() divides by U and DDP averages gradients over processes: scaling by U * processes
+                # undoes both, leaving the sum of every microbatch's share of the step's token mean.
+                accelerator.backward(batch_loss / step_tokens * (U * world))
                 if accelerator.sync_gradients:
                     accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
                 optimizer.step()  # a no-op until the U-th microbatch

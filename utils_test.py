@@ -17,6 +17,7 @@ from accelerate import Accelerator, PartialState
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import ppo  # noqa: E402
+import ppo_multinode  # noqa: E402
 import reward  # noqa: E402
 import sft  # noqa: E402
 
@@ -135,6 +136,22 @@ def test_global_stats_are_over_samples_not_device_means():
     whitened = ppo.masked_whiten(accelerator, x, mask)
     assert whitened[2:].abs().sum() == 0
     torch.testing.assert_close(whitened[:2].mean(), torch.tensor(0.0))
+
+
+def test_whitening_is_shift_invariant():
+    """Whitening x and x + c must agree: a one-pass E[x^2] - E[x]^2 variance loses everything in float32 when the
+    mean is large against the spread."""
+    accelerator = Accelerator(cpu=True)
+    torch.manual_seed(0)
+    x = torch.randn(64, 32)
+    mask = (torch.rand(64, 32) < 0.7).float()
+    plain = ppo.masked_whiten(accelerator, x, mask)
+    for c in (1e3, 1e4):
+        shifted = ppo.masked_whiten(accelerator, x + c, mask)
+        # x + c itself is rounded to float32's spacing at c (1e-3 at 1e4): the tolerance allows for that, no more.
+        torch.testing.assert_close(shifted, plain, atol=2e-3, rtol=0)
+    _, var = ppo.global_masked_stats(accelerator, x + 1e4, mask)
+    torch.testing.assert_close(var, x[mask.bool()].var(), atol=1e-3, rtol=1e-3)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -297,6 +314,96 @@ def test_get_reward_is_padding_invariant(tiny_model_dir):
     model.config.reward_bias = 1.5
     with torch.no_grad():
         torch.testing.assert_close(ppo.get_reward(model, ids, mask), right + 1.5)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# what a checkpoint carries must not change what is trained: dropout settings, generation settings
+# ---------------------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="session")
+def opinionated_model_dir(tiny_model_dir, tmp_path_factory):
+    """The tiny Llama saved with non-zero dropout in its config and a generation_config.json that sets sampling
+    options of its own, as many published checkpoints do."""
+    from transformers import AutoTokenizer, GenerationConfig, LlamaForCausalLM
+
+    folder = str(tmp_path_factory.mktemp("opinionated"))
+    model = LlamaForCausalLM.from_pretrained(tiny_model_dir, attention_dropout=0.5)
+    eos = model.config.eos_token_id
+    model.generation_config = GenerationConfig(
+        do_sample=True, temperature=1.3, top_k=20, top_p=0.5, min_p=0.3, repetition_penalty=3.0,
+        no_repeat_ngram_size=1, suppress_tokens=list(range(100, 5000)), min_new_tokens=4, bos_token_id=eos,
+        eos_token_id=eos, pad_token_id=eos)
+    model.save_pretrained(folder)
+    AutoTokenizer.from_pretrained(tiny_model_dir).save_pretrained(folder)
+    return folder
+
+
+@pytest.mark.parametrize("script", [sft, reward, ppo, ppo_multinode])
+def test_dropout_is_off_in_train_mode(opinionated_model_dir, script):
+    """Llama's attention copies `attention_dropout` into its own attribute when built: zeroing the config afterwards
+    left it dropping. Two train-mode forwards must be bit-identical, for the LM and the scalar-head class."""
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    ids = torch.randint(0, 1000, (2, 12), generator=torch.Generator().manual_seed(0))
+    for model_class, kwargs in [(AutoModelForCausalLM, {}), (AutoModelForSequenceClassification, {"num_labels": 1})]:
+        model = script.load_model(opinionated_model_dir, model_class, **kwargs).train()
+        assert model.config.attention_dropout == 0.0
+        with torch.no_grad():
+            first, second = model(input_ids=ids).logits, model(input_ids=ids).logits
+        assert torch.equal(first, second), f"{script.__name__}: dropout still on in {model_class.__name__}"
+
+
+def record_generation(model):
+    """Wrap `model.generate` to also keep the processed scores (what sampling drew from) and the raw logits."""
+    record, generate = {}, model.generate
+
+    def wrapped(**kwargs):
+        out = generate(**kwargs, output_scores=True, output_logits=True, return_dict_in_generate=True)
+        record["scores"], record["logits"] = torch.stack(out.scores, 1), torch.stack(out.logits, 1)
+        return out.sequences
+
+    model.generate = wrapped
+    return record
+
+
+@pytest.mark.parametrize("script", [ppo, ppo_multinode])
+def test_rollout_samples_from_softmax_of_logits_over_temperature(opinionated_model_dir, script):
+    """The checkpoint's generation_config (repetition penalty, min_p, suppressed tokens, min length, its own
+    temperature and top-k/top-p) must not leak into sampling: the distribution sampled from is softmax(logits / T),
+    and the logprobs PPO stores equal log_softmax of it at the sampled tokens."""
+    from transformers import AutoModelForCausalLM
+
+    policy = script.load_model(opinionated_model_dir, AutoModelForCausalLM).eval()
+    args = script.Args(query_length=6, response_length=8, temperature=0.7)
+    eos = policy.config.eos_token_id
+    query_ids, query_mask = ppo.left_pad([[11, 12, 13, 14], [21, 22, 23, 24, 25, 26]], eos, args.query_length)
+    record = record_generation(policy)
+    torch.manual_seed(0)
+    if script is ppo:
+        responses = script.rollout(policy, query_ids, query_mask, args, eos, eos)
+    else:
+        responses = script.synced_rollout(policy, query_ids, query_mask, args, eos, eos, synced_gpus=False)
+    scores, logits = record["scores"], record["logits"]
+    torch.testing.assert_close(scores, logits / args.temperature, atol=1e-6, rtol=1e-6)
+    response_mask = ppo.truncate_after_stop(responses, eos)
+    steps = scores.shape[1]
+    with torch.no_grad():
+        logprobs, _ = ppo.response_logprobs(policy, torch.cat([query_ids, responses], 1),
+                                            torch.cat([query_mask, response_mask], 1), args.query_length,
+                                            args.temperature)
+    sampled = torch.log_softmax(scores, -1).gather(2, responses[:, :steps, None]).squeeze(2)
+    real = response_mask[:, :steps].bool()
+    torch.testing.assert_close(logprobs[:, :steps][real], sampled[real], atol=1e-4, rtol=0)
+    assert policy.generation_config.repetition_penalty == 3.0  # the checkpoint's own config is kept for saving
+
+
+def test_sft_samples_are_plain_greedy(opinionated_model_dir):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = sft.load_model(opinionated_model_dir, AutoModelForCausalLM).eval()
+    tokenizer = AutoTokenizer.from_pretrained(opinionated_model_dir)
+    record = record_generation(model)
+    sft.generate_samples(model, tokenizer, ["a film about", "the best part of it was the"], max_length=16)
+    torch.testing.assert_close(record["scores"], record["logits"], atol=0, rtol=0)
 
 
 # ---------------------------------------------------------------------------------------------------------------
