@@ -106,9 +106,10 @@ def free_port():
         return s.getsockname()[1]
 
 
-def run_together(commands, timeout):
-    """Start the commands at once, each in its own process group, and wait for all of them; returns their outputs.
-    Past `timeout` seconds every group still running is killed and the test fails, showing the outputs so far."""
+def run_together(commands, timeout, check=True):
+    """Start the commands at once, each in its own process group, and wait for all of them; returns their outputs
+    (and, with `check=False`, their exit codes instead of requiring 0). Past `timeout` seconds every group still
+    running is killed and the test fails, showing the outputs so far."""
     # accelerate 1.x refuses `--cpu` with `--multi_gpu` (and `--cpu` alone starts one process): CPU processes are
     # started by the multi-GPU launcher, and ACCELERATE_USE_CPU makes each of them use the CPU with gloo.
     env = dict(os.environ, ACCELERATE_USE_CPU="true", CUDA_VISIBLE_DEVICES="", HF_HUB_OFFLINE="1",
@@ -131,6 +132,8 @@ def run_together(commands, timeout):
         log.close()
     if timed_out:
         pytest.fail(f"timed out after {timeout}s:\n" + "\n=====\n".join(output[-3000:] for output in outputs))
+    if not check:
+        return outputs, [proc.returncode for proc in procs]
     for proc, output in zip(procs, outputs):
         assert proc.returncode == 0, output[-5000:]
     return outputs
@@ -256,6 +259,25 @@ def test_two_nodes_on_loopback(tiny, tmp_path):
     # DDP kept the replicas identical: same parameters, bit for bit, on both processes, and training moved them
     checksums = [torch.load(dump / f"params_rank{rank}.pt") for rank in (0, 1)]
     assert checksums[0] == checksums[1] and checksums[0]["before"] != checksums[0]["after"]
+
+
+def test_node_local_checkpoint_folders_are_refused(tiny, tmp_path):
+    """Each "node" gets its own --checkpoint_dir, as node-local disks would: only node 0's folder would then hold the
+    models and optimizer, and no resume could work. Both nodes must stop before any work with the same line."""
+    port = free_port()
+    commands = []
+    for rank in (0, 1):
+        args = run_args(tiny, tmp_path, checkpoint_dir=str(tmp_path / f"node{rank}-local"))
+        commands.append(ACCELERATE + ["--multi_gpu", "--num_machines", "2", "--num_processes", "2", "--machine_rank",
+                                      str(rank), "--main_process_ip", "127.0.0.1", "--main_process_port", str(port),
+                                      "--num_cpu_threads_per_process", "1", "ppo_multinode.py",
+                                      *[f"--{key}={value}" for key, value in args.items()]])
+    outputs, codes = run_together(commands, timeout=240, check=False)
+    assert codes[0] != 0 and codes[1] != 0
+    lines = [[line for line in output.splitlines() if line.startswith("error: ")] for output in outputs]
+    assert lines[0] and lines[0] == lines[1], outputs
+    assert "does not see the checkpoint folder" in lines[0][0] and "shares" in lines[0][0]
+    assert not os.path.exists(tmp_path / "model")
 
 
 # ---------------------------------------------------------------------------------------------------------------

