@@ -34,6 +34,7 @@ import gzip
 import importlib.util
 import json
 import logging
+import math
 import os
 import shutil
 import signal
@@ -532,6 +533,40 @@ def require_columns(dataset, columns, dataset_name):
         if empty:
             logger.warning(f"dataset {dataset_name!r}: {empty} of {len(dataset)} rows have an empty {column!r}",
                            main_process_only=True)
+
+
+def process_group_kwargs(timeout_s):
+    """The `InitProcessGroupKwargs` handler for `Accelerator`: collectives give up after `timeout_s` seconds.
+
+    DeepSpeed on a machine without GPUs (its CPU accelerator, which joins the processes with gloo by itself): for a
+    launch that is neither `--cpu` nor on GPUs, accelerate 1.x picks no backend, and then counts every process as
+    process 0 of 1 although DeepSpeed has joined them all. Each would be the main process, write the output and skip
+    every gather. Naming gloo makes accelerate read the rank and world size from the process group DeepSpeed made.
+    """
+    kwargs = {"timeout": timedelta(seconds=timeout_s)}
+    if os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true" and not torch.cuda.is_available():
+        kwargs["backend"] = "gloo"
+    return InitProcessGroupKwargs(**kwargs)
+
+
+def fit_deepspeed_config(accelerator, micro_batch_size, gradient_accumulation_steps, max_grad_norm):
+    """Write the script's own batch sizes and clipping into the DeepSpeed config; call it before `prepare`. A no-op
+    without DeepSpeed.
+
+    The configs leave `train_micro_batch_size_per_gpu` to accelerate ("auto"), which fills it only from a prepared
+    DataLoader; these scripts cut their own batches (so that a run is the same on any number of processes), so
+    `prepare` would stop. DeepSpeed divides each loss by its own `gradient_accumulation_steps` and clips at its own
+    `gradient_clipping` inside `backward` (accelerate's `clip_grad_norm_` then only reads the norm back), so both are
+    set from the flags too: a config file's value would otherwise silently win over --max_grad_norm.
+    """
+    plugin = accelerator.state.deepspeed_plugin
+    if plugin is None:
+        return
+    config = plugin.deepspeed_config
+    config["train_micro_batch_size_per_gpu"] = micro_batch_size
+    config["gradient_accumulation_steps"] = gradient_accumulation_steps
+    config["train_batch_size"] = micro_batch_size * gradient_accumulation_steps * accelerator.num_processes
+    config["gradient_clipping"] = max_grad_norm
 
 
 def agree_on_error(accelerator, message):
@@ -1126,7 +1161,7 @@ def ppo_epochs(accelerator, model, optimizer, scheduler, rollouts, args, update)
                     # Checked after the gradient all-reduce: a NaN loss on any process is then in every process's
                     # gradients, so all stop here together (a check of the local loss would stop one process and
                     # leave the others waiting in the next collective).
-                    if grad_norm is not None and not torch.isfinite(grad_norm):
+                    if grad_norm is not None and not math.isfinite(grad_norm):  # a float under DeepSpeed
                         raise FloatingPointError(f"update {update}: non-finite gradient (epoch {epoch}, minibatch "
                                                  f"{mb}): a loss was NaN or infinite on some process.")
                 optimizer.step()  # a no-op until the U-th microbatch
@@ -1240,7 +1275,7 @@ def main(args: Args):
     logging.basicConfig(format="%(asctime)s %(levelname)s %(message)s", level=logging.INFO)
     accelerator = Accelerator(log_with="tensorboard", project_dir=args.log_dir,
                               gradient_accumulation_steps=args.gradient_accumulation_steps,
-                              kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=args.dist_timeout_s))])
+                              kwargs_handlers=[process_group_kwargs(args.dist_timeout_s)])
     args = derive_sizes(args, accelerator.num_processes)
     # ZeRO-3 and FSDP shard the policy's weights, so every generation step is a collective and a process that stops
     # sampling early would leave the others waiting forever; only ppo_multinode.py keeps generation in step.
@@ -1305,6 +1340,7 @@ def main(args: Args):
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 - step / total_steps)
     # The scheduler is not prepared: it is stepped by hand once per optimizer step (accelerate would step it once
     # per process).
+    fit_deepspeed_config(accelerator, args.micro_batch_size, args.gradient_accumulation_steps, args.max_grad_norm)
     model, optimizer = accelerator.prepare(model, optimizer)
     accelerator.register_for_checkpointing(scheduler)
     ref_policy, reward_model = ref_policy.to(device), reward_model.to(device)

@@ -451,6 +451,40 @@ def require_columns(dataset, columns, dataset_name):
                            main_process_only=True)
 
 
+def process_group_kwargs(timeout_s):
+    """The `InitProcessGroupKwargs` handler for `Accelerator`: collectives give up after `timeout_s` seconds.
+
+    DeepSpeed on a machine without GPUs (its CPU accelerator, which joins the processes with gloo by itself): for a
+    launch that is neither `--cpu` nor on GPUs, accelerate 1.x picks no backend, and then counts every process as
+    process 0 of 1 although DeepSpeed has joined them all. Each would be the main process, write the output and skip
+    every gather. Naming gloo makes accelerate read the rank and world size from the process group DeepSpeed made.
+    """
+    kwargs = {"timeout": timedelta(seconds=timeout_s)}
+    if os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true" and not torch.cuda.is_available():
+        kwargs["backend"] = "gloo"
+    return InitProcessGroupKwargs(**kwargs)
+
+
+def fit_deepspeed_config(accelerator, micro_batch_size, gradient_accumulation_steps, max_grad_norm):
+    """Write the script's own batch sizes and clipping into the DeepSpeed config; call it before `prepare`. A no-op
+    without DeepSpeed.
+
+    The configs leave `train_micro_batch_size_per_gpu` to accelerate ("auto"), which fills it only from a prepared
+    DataLoader; these scripts cut their own batches (so that a run is the same on any number of processes), so
+    `prepare` would stop. DeepSpeed divides each loss by its own `gradient_accumulation_steps` and clips at its own
+    `gradient_clipping` inside `backward` (accelerate's `clip_grad_norm_` then only reads the norm back), so both are
+    set from the flags too: a config file's value would otherwise silently win over --max_grad_norm.
+    """
+    plugin = accelerator.state.deepspeed_plugin
+    if plugin is None:
+        return
+    config = plugin.deepspeed_config
+    config["train_micro_batch_size_per_gpu"] = micro_batch_size
+    config["gradient_accumulation_steps"] = gradient_accumulation_steps
+    config["train_batch_size"] = micro_batch_size * gradient_accumulation_steps * accelerator.num_processes
+    config["gradient_clipping"] = max_grad_norm
+
+
 def agree_on_error(accelerator, message):
     """The first non-None `message` (str) of any process, or None, returned identically on every process.
 
@@ -901,7 +935,7 @@ def main(args: Args):
     logging.basicConfig(format="%(asctime)s %(levelname)s %(message)s", level=logging.INFO)
     accelerator = Accelerator(gradient_accumulation_steps=args.gradient_accumulation_steps, log_with="tensorboard",
                               project_dir=args.log_dir,
-                              kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=args.dist_timeout_s))])
+                              kwargs_handlers=[process_group_kwargs(args.dist_timeout_s)])
     set_seed(args.seed)
     if accelerator.device.type == "cpu" and tune_cpu_allocator():
         logger.info("CPU run: malloc keeps freed memory for reuse (tune_cpu_allocator)", main_process_only=True)
@@ -942,6 +976,7 @@ def main(args: Args):
                               num_training_steps=args.max_steps)
     # The scheduler is stepped by hand once per optimizer step, so it is not prepared (accelerate would step it
     # once per process); it is registered so that checkpoints hold it.
+    fit_deepspeed_config(accelerator, args.per_device_train_batch_size, U, args.max_grad_norm)
     reward_model, optimizer = accelerator.prepare(reward_model, optimizer)
     accelerator.register_for_checkpointing(scheduler)
     accelerator.init_trackers(run_name, config=vars(args))
@@ -985,7 +1020,7 @@ def main(args: Args):
                 if accelerator.sync_gradients:
                     grad_norm = accelerator.clip_grad_norm_(reward_model.parameters(), args.max_grad_norm)
                     # After the gradient all-reduce: a NaN on any process is on all of them, and all stop together.
-                    if grad_norm is not None and not torch.isfinite(grad_norm):
+                    if grad_norm is not None and not math.isfinite(grad_norm):  # a float under DeepSpeed
                         raise FloatingPointError(f"step {step + 1}: non-finite gradient (a loss was NaN or infinite "
                                                  "on some process).")
                 optimizer.step()  # a no-op until the U-th microbatch
