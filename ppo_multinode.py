@@ -1498,11 +1498,20 @@ def evaluate_central(accelerator, models, score, eval_queries, args, stop_token_
 
 def parameter_checksum(model):
     """sha256 of all of `model`'s parameters, in order, as raw bytes: equal on two processes only if every weight is
-    bit-identical (`--debug_dump_dir`)."""
+    bit-identical (`--debug_dump_dir`). Every process must call it under ZeRO-3 (it gathers each parameter)."""
     digest = hashlib.sha256()
     for parameter in model.parameters():
-        # A copy: a parameter's own storage, once shared with numpy, could no longer be resized by FSDP.
-        digest.update(parameter.detach().to("cpu", torch.float32, copy=True).numpy().tobytes())
+        # ZeRO-3 leaves an empty placeholder on each process (`ds_id` marks it) and keeps only a partition: gather the
+        # whole parameter, or every process would hash nothing and any two runs would agree.
+        if hasattr(parameter, "ds_id"):
+            import deepspeed
+
+            whole = deepspeed.zero.GatheredParameters([parameter])
+        else:
+            whole = contextlib.nullcontext()
+        with whole:
+            # A copy: a parameter's own storage, once shared with numpy, could no longer be resized by FSDP.
+            digest.update(parameter.detach().to("cpu", torch.float32, copy=True).numpy().tobytes())
     return digest.hexdigest()
 
 

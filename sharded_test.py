@@ -21,6 +21,7 @@ import torch
 from safetensors.torch import load_file
 
 from resume_test import scalars, stage_command, tiny_rm_dir  # noqa: F401  (fixture)
+from multinode_test import ppo_multinode, run_args, tiny  # noqa: F401  (tiny: a pytest fixture)
 from utils_test import tiny_model_dir  # noqa: F401  (pytest fixture)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -94,3 +95,30 @@ def test_zero2_equals_ddp(stage, tiny_model_dir, tiny_rm_dir, tmp_path):  # noqa
     trained = model_class.from_pretrained(tmp_path / "zero2").state_dict()
     initial = AutoModelForCausalLM.from_pretrained(tiny_model_dir).state_dict()
     assert any(not torch.equal(trained[k], initial[k]) for k in trained.keys() & initial.keys())  # it trained
+
+
+@pytest.mark.parametrize("config", ["deepspeed_zero2", "deepspeed_zero3"])
+def test_ppo_multinode_equals_ddp(config, tiny, tmp_path):  # noqa: F811
+    """ppo_multinode.py under ZeRO-2 and ZeRO-3 takes the same 2 updates as under DDP on 2 processes. Under ZeRO-3
+    the policy and value model are partitioned, so generation runs in step (synced_gpus) and saving gathers them
+    (`zero3_save_16bit_model`, in float32 here since mixed precision is off)."""
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    dump = tmp_path / "dump"  # the sharded run's parameter checksums before and after training, per process
+    for name, launch_config in (("ddp", None), ("sharded", config)):
+        args = run_args(tiny, tmp_path / name, run_name=name, log_dir=tmp_path / "tb")
+        if name == "sharded":
+            args["debug_dump_dir"] = dump
+        launch_two(launch_config, ["python", "ppo_multinode.py", *[f"--{k}={v}" for k, v in args.items()]], name)
+    # The checksum covers whole weights (under ZeRO-3 it must gather them): it is the initial models' at the start,
+    # the same on both processes, and training changes it.
+    policy = AutoModelForCausalLM.from_pretrained(tiny / "policy")
+    value_model = AutoModelForSequenceClassification.from_pretrained(tiny / "rm", num_labels=1)
+    initial = ppo_multinode.parameter_checksum(ppo_multinode.PolicyAndValue(policy, value_model))
+    checksums = [torch.load(dump / f"params_rank{rank}.pt") for rank in (0, 1)]
+    assert checksums[0] == checksums[1] and checksums[0]["before"] == initial != checksums[0]["after"]
+    assert assert_same_scalars(str(tmp_path / "tb"), "ddp", "sharded", {0, 1, 2}) >= 12
+    for folder in ("model", "model/value_model"):
+        assert_same_saved_weights(str(tmp_path / "ddp" / folder), str(tmp_path / "sharded" / folder))
+    AutoModelForCausalLM.from_pretrained(tmp_path / "sharded" / "model")
+    AutoModelForSequenceClassification.from_pretrained(tmp_path / "sharded" / "model" / "value_model")
