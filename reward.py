@@ -968,7 +968,18 @@ def main(args: Args):
     model = load_model(args.model_name_or_path, AutoModelForSequenceClassification, num_labels=1)
     # The head is new (the SFT model had an LM head). Stiennon et al. 2020 draw it from N(0, 1/(d_model+1)), so the
     # first scores have roughly unit scale whatever the hidden size; also re-drawn when starting from a trained RM.
-    torch.nn.init.normal_(model.score.weight, std=1 / math.sqrt(model.score.in_features + 1))
+    # Under ZeRO-3, transformers builds the model already partitioned (`deepspeed.zero.Init`): the head's weight is
+    # an empty placeholder here, and drawing into it would silently do nothing. It is gathered whole, drawn on process
+    # 0 and partitioned again from that copy.
+    head = model.score.weight
+    if hasattr(head, "ds_id"):
+        import deepspeed
+
+        whole = deepspeed.zero.GatheredParameters([head], modifier_rank=0)
+    else:
+        whole = contextlib.nullcontext()
+    with whole:
+        torch.nn.init.normal_(head, std=1 / math.sqrt(model.score.in_features + 1))
     model.config.reward_bias = 0.0  # raw scores while training; the bias does not change the pairwise loss anyway
     reward_model = RewardModel(model)
     optimizer = torch.optim.AdamW(reward_model.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)

@@ -838,16 +838,19 @@ def evaluate_sft(accelerator, model, eval_loader):
 
 
 @torch.no_grad()
-def generate_samples(model, tokenizer, prompts, max_length):
+def generate_samples(model, tokenizer, prompts, max_length, synced_gpus=False):
     """Greedy completions (strings) of `prompts`, for a quick look in tensorboard; left-padded batch generation.
     Greedy and nothing else (`generate_with`): the samples show what the model itself predicts, not what the
-    checkpoint's repetition penalty or length settings make of it."""
+    checkpoint's repetition penalty or length settings make of it.
+
+    `synced_gpus` (ZeRO-3): every generation step gathers the partitioned weights, a collective, so every process
+    must call this with the same prompts, and one that has finished keeps stepping until all have."""
     tokenizer.padding_side = "left"
     batch = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False).to(model.device)
     tokenizer.padding_side = "right"
     greedy = GenerationConfig(max_new_tokens=max_length - batch["input_ids"].shape[1], do_sample=False,
                               eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
-    out = generate_with(model, greedy, **batch)
+    out = generate_with(model, greedy, **batch, synced_gpus=synced_gpus)
     return tokenizer.batch_decode(out[:, batch["input_ids"].shape[1]:], skip_special_tokens=True)
 
 
@@ -923,13 +926,19 @@ def main(args: Args):
     accelerator.init_trackers(run_name, config=vars(args))
     writer = accelerator.get_tracker("tensorboard").tracker if accelerator.is_main_process else None
     prompts = list(held_out["prompt"][: args.num_sample_generations])
+    plugin = accelerator.state.deepspeed_plugin
+    sharded = plugin is not None and plugin.zero_stage == 3
 
     def log_eval(step):
         eval_loss = evaluate_sft(accelerator, model, eval_loader)
         accelerator.log({"eval/loss": eval_loss}, step=step)
         logger.info(f"step {step}: eval loss {eval_loss:.4f}", main_process_only=True)
+        # Under ZeRO-3 each generation step gathers the partitioned weights (a collective): every process generates,
+        # in step, and only the main process writes. Otherwise the main process alone generates.
+        if prompts and (writer is not None or sharded):
+            samples = generate_samples(accelerator.unwrap_model(model), tokenizer, prompts, args.max_length,
+                                       synced_gpus=sharded)
         if writer is not None and prompts:
-            samples = generate_samples(accelerator.unwrap_model(model), tokenizer, prompts, args.max_length)
             table = "| prompt | completion |\n|---|---|\n" + "\n".join(
                 f"| {p} | {c} |".replace("\n", " ") for p, c in zip(prompts, samples))
             writer.add_text("samples", table, step)
