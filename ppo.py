@@ -18,6 +18,9 @@ Run it (defaults read `sft.py`'s and `reward.py`'s default outputs):
     accelerate launch ppo.py                                # 1 GPU
     accelerate launch --config_file configs/multi_gpu.yaml ppo.py        # 8 GPUs, DDP
     accelerate launch --config_file configs/deepspeed_zero2.yaml ppo.py  # 8 GPUs, ZeRO-2
+    # ZeRO-2 without GPUs (DeepSpeed's CPU accelerator, gloo; no ACCELERATE_USE_CPU, which would mean DDP): tested
+    # equal to DDP on 2 processes (sharded_test.py)
+    accelerate launch --config_file configs/deepspeed_zero2.yaml --num_processes 2 ppo.py
     For ZeRO-3, FSDP (sharded weights: generation must run in step on every process) and several nodes, use
     ppo_multinode.py (README.md); ppo.py refuses ZeRO-3 and FSDP at start.
 

@@ -47,7 +47,8 @@ Run it (defaults read `sft.py`'s and `reward.py`'s default outputs):
     # 2 nodes x 8 GPUs, DDP: the same command on every node, each with its own --machine_rank (0: the main node)
     accelerate launch --config_file configs/multi_node.yaml --machine_rank 0 --main_process_ip 10.0.0.1 \
         --main_process_port 29500 ppo_multinode.py
-    accelerate launch --config_file configs/deepspeed_zero3.yaml ppo_multinode.py   # 8 GPUs, ZeRO-3 (not run here)
+    accelerate launch --config_file configs/deepspeed_zero3.yaml ppo_multinode.py   # 8 GPUs, ZeRO-3
+    # ZeRO-2 and ZeRO-3 are tested equal to DDP on 2 CPU processes (DeepSpeed's CPU accelerator; sharded_test.py)
     accelerate launch --config_file configs/fsdp.yaml ppo_multinode.py             # 8 GPUs, FSDP (not run here)
     README.md ("Several nodes") covers DeepSpeed hostfiles, NCCL variables and 15+1 GPUs on two nodes.
 
@@ -1317,7 +1318,8 @@ def whole_model_loading(accelerator):
     DeepSpeed trains, but not the others: the frozen reference would be left as partitions with no engine to gather
     them, and the reward model, loaded by the main process alone, cannot be partitioned across processes that never
     load it. Inside this context every model is built whole (in CPU memory, by each process that loads it), and
-    `accelerator.prepare` partitions the policy and value model. Other setups: no effect. Not run here (no DeepSpeed).
+    `accelerator.prepare` partitions the policy and value model. Other setups: no effect. Tested under
+    configs/deepspeed_zero3.yaml on 2 CPU processes (sharded_test.py).
     """
     plugin = accelerator.state.deepspeed_plugin
     zero3 = plugin is not None and plugin.zero_stage == 3
@@ -1343,7 +1345,8 @@ def sharded_generation_context(accelerator, model):
     nothing is written back. DeepSpeed ZeRO-3 needs nothing here: its hooks gather every submodule's weights when it
     runs (gathering the whole policy once with `deepspeed.zero.GatheredParameters` makes generation faster when a full
     copy fits on each GPU, but correctness does not need it). DDP and ZeRO-1/2 keep whole weights on every process.
-    The FSDP case is tested on the CPU with PyTorch FSDP and gloo (multinode_test.py); the ZeRO-3 case was not run.
+    The FSDP case is tested on the CPU with PyTorch FSDP and gloo (multinode_test.py), the ZeRO-3 case under
+    configs/deepspeed_zero3.yaml on 2 CPU processes (sharded_test.py).
     """
     if accelerator.distributed_type == DistributedType.FSDP:
         from torch.distributed.fsdp import FullyShardedDataParallel

@@ -9,6 +9,11 @@ reduces gradients in other buckets, so sums are rounded in another order), and t
 `from_pretrained`. DeepSpeed runs on its CPU accelerator, which joins the processes with gloo by itself: the
 DeepSpeed launches must not set ACCELERATE_USE_CPU (accelerate would quietly fall back to DDP with it). The first
 DeepSpeed run on a machine compiles one small C++ op (about 30 s).
+
+- ZeRO-2: sft.py, reward.py, ppo.py (6 steps or updates), ppo_multinode.py (2 updates);
+- ZeRO-3: sft.py (tensorboard samples generated in step on every process), reward.py (the new score head drawn on
+  the whole parameter), ppo_multinode.py (and its `--debug_dump_dir` checksum covers whole parameters).
+About a minute per test on 2 busy CPU cores, most of it process start-up.
 """
 
 import importlib.util
