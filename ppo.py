@@ -18,6 +18,9 @@ Run it (defaults read `sft.py`'s and `reward.py`'s default outputs):
     accelerate launch ppo.py                                # 1 GPU
     accelerate launch --config_file configs/multi_gpu.yaml ppo.py        # 8 GPUs, DDP
     accelerate launch --config_file configs/deepspeed_zero2.yaml ppo.py  # 8 GPUs, ZeRO-2
+    # ZeRO-2 without GPUs (DeepSpeed's CPU accelerator, gloo; no ACCELERATE_USE_CPU, which would mean DDP): tested
+    # equal to DDP on 2 processes (sharded_test.py)
+    accelerate launch --config_file configs/deepspeed_zero2.yaml --num_processes 2 ppo.py
     For ZeRO-3, FSDP (sharded weights: generation must run in step on every process) and several nodes, use
     ppo_multinode.py (README.md); ppo.py refuses ZeRO-3 and FSDP at start.
 
@@ -34,6 +37,7 @@ import gzip
 import importlib.util
 import json
 import logging
+import math
 import os
 import shutil
 import signal
@@ -210,8 +214,9 @@ def derive_sizes(args, num_processes):
 
 def check_score_head(path, flag):
     """Raise ValueError unless the checkpoint at `path` (hub id, folder or .gguf) is a sequence-classification
-    model with one output, i.e. has a trained scalar head (reward.py's output is one). transformers gives a causal-LM checkpoint
-    loaded as a sequence classifier a random head without complaint, and PPO would then optimise noise."""
+    model with one output, i.e. has a trained scalar head (reward.py's output is one). transformers gives a
+    causal-LM checkpoint loaded as a sequence classifier a random head without complaint, and PPO would then
+    optimise noise."""
     source, gguf_file = resolve_model_source(path)
     config = AutoConfig.from_pretrained(source, gguf_file=gguf_file)
     architectures = config.architectures or []
@@ -547,6 +552,40 @@ def output_stage(folder):
     return None
 
 
+def process_group_kwargs(timeout_s):
+    """The `InitProcessGroupKwargs` handler for `Accelerator`: collectives give up after `timeout_s` seconds.
+
+    DeepSpeed on a machine without GPUs (its CPU accelerator, which joins the processes with gloo by itself): for a
+    launch that is neither `--cpu` nor on GPUs, accelerate 1.x picks no backend, and then counts every process as
+    process 0 of 1 although DeepSpeed has joined them all. Each would be the main process, write the output and skip
+    every gather. Naming gloo makes accelerate read the rank and world size from the process group DeepSpeed made.
+    """
+    kwargs = {"timeout": timedelta(seconds=timeout_s)}
+    if os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true" and not torch.cuda.is_available():
+        kwargs["backend"] = "gloo"
+    return InitProcessGroupKwargs(**kwargs)
+
+
+def fit_deepspeed_config(accelerator, micro_batch_size, gradient_accumulation_steps, max_grad_norm):
+    """Write the script's own batch sizes and clipping into the DeepSpeed config; call it before `prepare`. A no-op
+    without DeepSpeed.
+
+    The configs leave `train_micro_batch_size_per_gpu` to accelerate ("auto"), which fills it only from a prepared
+    DataLoader; these scripts cut their own batches (so that a run is the same on any number of processes), so
+    `prepare` would stop. DeepSpeed divides each loss by its own `gradient_accumulation_steps` and clips at its own
+    `gradient_clipping` inside `backward` (accelerate's `clip_grad_norm_` then only reads the norm back), so both are
+    set from the flags too: a config file's value would otherwise silently win over --max_grad_norm.
+    """
+    plugin = accelerator.state.deepspeed_plugin
+    if plugin is None:
+        return
+    config = plugin.deepspeed_config
+    config["train_micro_batch_size_per_gpu"] = micro_batch_size
+    config["gradient_accumulation_steps"] = gradient_accumulation_steps
+    config["train_batch_size"] = micro_batch_size * gradient_accumulation_steps * accelerator.num_processes
+    config["gradient_clipping"] = max_grad_norm
+
+
 def agree_on_error(accelerator, message):
     """The first non-None `message` (str) of any process, or None, returned identically on every process.
 
@@ -660,11 +699,12 @@ def save_atomically(accelerator, model, tokenizer, output_dir, stage, submodules
 
     Everything is written to `<output_dir>.tmp` first. Then the old output, if any, is tagged (REPLACED_MARKER) and
     renamed to `<output_dir>.old`, the new one to `output_dir`, and `.old` is deleted: at every instant the old or the
-    new output exists whole (`prepare_run_dirs` puts a stranded `.old` back, and refuses siblings it did not write). `extra_config` entries are stored in the model's config.json.
-    `submodules` maps subfolders ("" is `output_dir` itself) to attributes of `model` saved there instead of `model`
-    (ppo.py saves `{"": "policy", "value_model": "value_model"}`). Every process must call it; only the main process
-    writes. An OSError while writing removes the partial `.tmp`, keeps the old output and raises OSError with one
-    line, on every process.
+    new output exists whole (`prepare_run_dirs` puts a stranded `.old` back, and refuses siblings it did not
+    write). `extra_config` entries are stored in the model's config.json. `submodules` maps subfolders ("" is
+    `output_dir` itself) to attributes of `model` saved there instead of `model` (ppo.py saves
+    `{"": "policy", "value_model": "value_model"}`). Every process must call it; only the main process writes. An
+    OSError while writing removes the partial `.tmp`, keeps the old output and raises OSError with one line, on
+    every process.
     """
     accelerator.wait_for_everyone()
     unwrapped = accelerator.unwrap_model(model)
@@ -1151,7 +1191,7 @@ def ppo_epochs(accelerator, model, optimizer, scheduler, rollouts, args, update)
                     # Checked after the gradient all-reduce: a NaN loss on any process is then in every process's
                     # gradients, so all stop here together (a check of the local loss would stop one process and
                     # leave the others waiting in the next collective).
-                    if grad_norm is not None and not torch.isfinite(grad_norm):
+                    if grad_norm is not None and not math.isfinite(grad_norm):  # a float under DeepSpeed
                         raise FloatingPointError(f"update {update}: non-finite gradient (epoch {epoch}, minibatch "
                                                  f"{mb}): a loss was NaN or infinite on some process.")
                 optimizer.step()  # a no-op until the U-th microbatch
@@ -1265,7 +1305,7 @@ def main(args: Args):
     logging.basicConfig(format="%(asctime)s %(levelname)s %(message)s", level=logging.INFO)
     accelerator = Accelerator(log_with="tensorboard", project_dir=args.log_dir,
                               gradient_accumulation_steps=args.gradient_accumulation_steps,
-                              kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=args.dist_timeout_s))])
+                              kwargs_handlers=[process_group_kwargs(args.dist_timeout_s)])
     args = derive_sizes(args, accelerator.num_processes)
     # ZeRO-3 and FSDP shard the policy's weights, so every generation step is a collective and a process that stops
     # sampling early would leave the others waiting forever; only ppo_multinode.py keeps generation in step.
@@ -1330,6 +1370,7 @@ def main(args: Args):
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 - step / total_steps)
     # The scheduler is not prepared: it is stepped by hand once per optimizer step (accelerate would step it once
     # per process).
+    fit_deepspeed_config(accelerator, args.micro_batch_size, args.gradient_accumulation_steps, args.max_grad_norm)
     model, optimizer = accelerator.prepare(model, optimizer)
     accelerator.register_for_checkpointing(scheduler)
     ref_policy, reward_model = ref_policy.to(device), reward_model.to(device)

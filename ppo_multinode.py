@@ -47,7 +47,8 @@ Run it (defaults read `sft.py`'s and `reward.py`'s default outputs):
     # 2 nodes x 8 GPUs, DDP: the same command on every node, each with its own --machine_rank (0: the main node)
     accelerate launch --config_file configs/multi_node.yaml --machine_rank 0 --main_process_ip 10.0.0.1 \
         --main_process_port 29500 ppo_multinode.py
-    accelerate launch --config_file configs/deepspeed_zero3.yaml ppo_multinode.py   # 8 GPUs, ZeRO-3 (not run here)
+    accelerate launch --config_file configs/deepspeed_zero3.yaml ppo_multinode.py   # 8 GPUs, ZeRO-3
+    # ZeRO-2 and ZeRO-3 are tested equal to DDP on 2 CPU processes (DeepSpeed's CPU accelerator; sharded_test.py)
     accelerate launch --config_file configs/fsdp.yaml ppo_multinode.py             # 8 GPUs, FSDP (not run here)
     README.md ("Several nodes") covers DeepSpeed hostfiles, NCCL variables and 15+1 GPUs on two nodes.
 
@@ -261,8 +262,9 @@ def derive_sizes(args, num_processes):
 
 def check_score_head(path, flag):
     """Raise ValueError unless the checkpoint at `path` (hub id, folder or .gguf) is a sequence-classification
-    model with one output, i.e. has a trained scalar head (reward.py's output is one). transformers gives a causal-LM checkpoint
-    loaded as a sequence classifier a random head without complaint, and PPO would then optimise noise."""
+    model with one output, i.e. has a trained scalar head (reward.py's output is one). transformers gives a
+    causal-LM checkpoint loaded as a sequence classifier a random head without complaint, and PPO would then
+    optimise noise."""
     source, gguf_file = resolve_model_source(path)
     config = AutoConfig.from_pretrained(source, gguf_file=gguf_file)
     architectures = config.architectures or []
@@ -598,6 +600,40 @@ def output_stage(folder):
     return None
 
 
+def process_group_kwargs(timeout_s):
+    """The `InitProcessGroupKwargs` handler for `Accelerator`: collectives give up after `timeout_s` seconds.
+
+    DeepSpeed on a machine without GPUs (its CPU accelerator, which joins the processes with gloo by itself): for a
+    launch that is neither `--cpu` nor on GPUs, accelerate 1.x picks no backend, and then counts every process as
+    process 0 of 1 although DeepSpeed has joined them all. Each would be the main process, write the output and skip
+    every gather. Naming gloo makes accelerate read the rank and world size from the process group DeepSpeed made.
+    """
+    kwargs = {"timeout": timedelta(seconds=timeout_s)}
+    if os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true" and not torch.cuda.is_available():
+        kwargs["backend"] = "gloo"
+    return InitProcessGroupKwargs(**kwargs)
+
+
+def fit_deepspeed_config(accelerator, micro_batch_size, gradient_accumulation_steps, max_grad_norm):
+    """Write the script's own batch sizes and clipping into the DeepSpeed config; call it before `prepare`. A no-op
+    without DeepSpeed.
+
+    The configs leave `train_micro_batch_size_per_gpu` to accelerate ("auto"), which fills it only from a prepared
+    DataLoader; these scripts cut their own batches (so that a run is the same on any number of processes), so
+    `prepare` would stop. DeepSpeed divides each loss by its own `gradient_accumulation_steps` and clips at its own
+    `gradient_clipping` inside `backward` (accelerate's `clip_grad_norm_` then only reads the norm back), so both are
+    set from the flags too: a config file's value would otherwise silently win over --max_grad_norm.
+    """
+    plugin = accelerator.state.deepspeed_plugin
+    if plugin is None:
+        return
+    config = plugin.deepspeed_config
+    config["train_micro_batch_size_per_gpu"] = micro_batch_size
+    config["gradient_accumulation_steps"] = gradient_accumulation_steps
+    config["train_batch_size"] = micro_batch_size * gradient_accumulation_steps * accelerator.num_processes
+    config["gradient_clipping"] = max_grad_norm
+
+
 def agree_on_error(accelerator, message):
     """The first non-None `message` (str) of any process, or None, returned identically on every process.
 
@@ -711,11 +747,12 @@ def save_atomically(accelerator, model, tokenizer, output_dir, stage, submodules
 
     Everything is written to `<output_dir>.tmp` first. Then the old output, if any, is tagged (REPLACED_MARKER) and
     renamed to `<output_dir>.old`, the new one to `output_dir`, and `.old` is deleted: at every instant the old or the
-    new output exists whole (`prepare_run_dirs` puts a stranded `.old` back, and refuses siblings it did not write). `extra_config` entries are stored in the model's config.json.
-    `submodules` maps subfolders ("" is `output_dir` itself) to attributes of `model` saved there instead of `model`
-    (ppo.py saves `{"": "policy", "value_model": "value_model"}`). Every process must call it; only the main process
-    writes. An OSError while writing removes the partial `.tmp`, keeps the old output and raises OSError with one
-    line, on every process.
+    new output exists whole (`prepare_run_dirs` puts a stranded `.old` back, and refuses siblings it did not
+    write). `extra_config` entries are stored in the model's config.json. `submodules` maps subfolders ("" is
+    `output_dir` itself) to attributes of `model` saved there instead of `model` (ppo.py saves
+    `{"": "policy", "value_model": "value_model"}`). Every process must call it; only the main process writes. An
+    OSError while writing removes the partial `.tmp`, keeps the old output and raises OSError with one line, on
+    every process.
     """
     accelerator.wait_for_everyone()
     unwrapped = accelerator.unwrap_model(model)
@@ -1269,7 +1306,7 @@ def ppo_epochs(accelerator, model, optimizer, scheduler, rollouts, args, update)
                     # Checked after the gradient all-reduce: a NaN loss on any process is then in every process's
                     # gradients, so all stop here together (a check of the local loss would stop one process and
                     # leave the others waiting in the next collective).
-                    if grad_norm is not None and not torch.isfinite(grad_norm):
+                    if grad_norm is not None and not math.isfinite(grad_norm):  # a float under DeepSpeed
                         raise FloatingPointError(f"update {update}: non-finite gradient (epoch {epoch}, minibatch "
                                                  f"{mb}): a loss was NaN or infinite on some process.")
                 optimizer.step()  # a no-op until the U-th microbatch
@@ -1308,7 +1345,8 @@ def whole_model_loading(accelerator):
     DeepSpeed trains, but not the others: the frozen reference would be left as partitions with no engine to gather
     them, and the reward model, loaded by the main process alone, cannot be partitioned across processes that never
     load it. Inside this context every model is built whole (in CPU memory, by each process that loads it), and
-    `accelerator.prepare` partitions the policy and value model. Other setups: no effect. Not run here (no DeepSpeed).
+    `accelerator.prepare` partitions the policy and value model. Other setups: no effect. Tested under
+    configs/deepspeed_zero3.yaml on 2 CPU processes (sharded_test.py).
     """
     plugin = accelerator.state.deepspeed_plugin
     zero3 = plugin is not None and plugin.zero_stage == 3
@@ -1334,7 +1372,8 @@ def sharded_generation_context(accelerator, model):
     nothing is written back. DeepSpeed ZeRO-3 needs nothing here: its hooks gather every submodule's weights when it
     runs (gathering the whole policy once with `deepspeed.zero.GatheredParameters` makes generation faster when a full
     copy fits on each GPU, but correctness does not need it). DDP and ZeRO-1/2 keep whole weights on every process.
-    The FSDP case is tested on the CPU with PyTorch FSDP and gloo (multinode_test.py); the ZeRO-3 case was not run.
+    The FSDP case is tested on the CPU with PyTorch FSDP and gloo (multinode_test.py), the ZeRO-3 case under
+    configs/deepspeed_zero3.yaml on 2 CPU processes (sharded_test.py).
     """
     if accelerator.distributed_type == DistributedType.FSDP:
         from torch.distributed.fsdp import FullyShardedDataParallel
@@ -1489,11 +1528,20 @@ def evaluate_central(accelerator, models, score, eval_queries, args, stop_token_
 
 def parameter_checksum(model):
     """sha256 of all of `model`'s parameters, in order, as raw bytes: equal on two processes only if every weight is
-    bit-identical (`--debug_dump_dir`)."""
+    bit-identical (`--debug_dump_dir`). Every process must call it under ZeRO-3 (it gathers each parameter)."""
     digest = hashlib.sha256()
     for parameter in model.parameters():
-        # A copy: a parameter's own storage, once shared with numpy, could no longer be resized by FSDP.
-        digest.update(parameter.detach().to("cpu", torch.float32, copy=True).numpy().tobytes())
+        # ZeRO-3 leaves an empty placeholder on each process (`ds_id` marks it) and keeps only a partition: gather the
+        # whole parameter, or every process would hash nothing and any two runs would agree.
+        if hasattr(parameter, "ds_id"):
+            import deepspeed
+
+            whole = deepspeed.zero.GatheredParameters([parameter])
+        else:
+            whole = contextlib.nullcontext()
+        with whole:
+            # A copy: a parameter's own storage, once shared with numpy, could no longer be resized by FSDP.
+            digest.update(parameter.detach().to("cpu", torch.float32, copy=True).numpy().tobytes())
     return digest.hexdigest()
 
 
@@ -1509,7 +1557,7 @@ def main(args: Args):
     logging.basicConfig(format="%(asctime)s %(levelname)s %(message)s", level=logging.INFO)
     accelerator = Accelerator(log_with="tensorboard", project_dir=args.log_dir,
                               gradient_accumulation_steps=args.gradient_accumulation_steps,
-                              kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=args.dist_timeout_s))])
+                              kwargs_handlers=[process_group_kwargs(args.dist_timeout_s)])
     args = derive_sizes(args, accelerator.num_processes)
     if args.reward_fn not in ("model", "positive_words") and ":" not in args.reward_fn:
         raise ValueError(f"--reward_fn {args.reward_fn!r}: use `model`, `positive_words` or `module:function`.")
@@ -1610,6 +1658,7 @@ def main(args: Args):
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 - step / total_steps)
     # The scheduler is not prepared: it is stepped by hand once per optimizer step (accelerate would step it once
     # per process).
+    fit_deepspeed_config(accelerator, args.micro_batch_size, args.gradient_accumulation_steps, args.max_grad_norm)
     model, optimizer = accelerator.prepare(model, optimizer)
     accelerator.register_for_checkpointing(scheduler)
     ref_policy = ref_policy.to(device)

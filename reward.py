@@ -20,6 +20,10 @@ Run it (after `python sft.py`: its output folder is this script's default model)
     accelerate launch reward.py                     # 1 GPU, or whatever `accelerate config` says
     accelerate launch --config_file configs/multi_gpu.yaml reward.py          # 8 GPUs, DDP
     accelerate launch --config_file configs/deepspeed_zero2.yaml reward.py    # 8 GPUs, ZeRO-2
+    accelerate launch --config_file configs/deepspeed_zero3.yaml reward.py    # 8 GPUs, ZeRO-3
+    # DeepSpeed without GPUs (its CPU accelerator, gloo; no ACCELERATE_USE_CPU, which would mean DDP): tested
+    # equal to DDP on 2 processes, ZeRO-2 and ZeRO-3 (sharded_test.py)
+    accelerate launch --config_file configs/deepspeed_zero2.yaml --num_processes 2 reward.py
 Anthropic HH, harmless-base (1,849 training pairs, 463 held out). Its dialogues run to hundreds of tokens: on CPU
 keep the last 64 prompt tokens and cut the run to 20 steps (~5 minutes on 2 cores, held-out accuracy ~0.6); on a
 GPU raise them (e.g. --max_prompt_length 192 --max_length 256 --max_steps 230, one epoch) and drop the eval flags:
@@ -459,6 +463,40 @@ def output_stage(folder):
     return None
 
 
+def process_group_kwargs(timeout_s):
+    """The `InitProcessGroupKwargs` handler for `Accelerator`: collectives give up after `timeout_s` seconds.
+
+    DeepSpeed on a machine without GPUs (its CPU accelerator, which joins the processes with gloo by itself): for a
+    launch that is neither `--cpu` nor on GPUs, accelerate 1.x picks no backend, and then counts every process as
+    process 0 of 1 although DeepSpeed has joined them all. Each would be the main process, write the output and skip
+    every gather. Naming gloo makes accelerate read the rank and world size from the process group DeepSpeed made.
+    """
+    kwargs = {"timeout": timedelta(seconds=timeout_s)}
+    if os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true" and not torch.cuda.is_available():
+        kwargs["backend"] = "gloo"
+    return InitProcessGroupKwargs(**kwargs)
+
+
+def fit_deepspeed_config(accelerator, micro_batch_size, gradient_accumulation_steps, max_grad_norm):
+    """Write the script's own batch sizes and clipping into the DeepSpeed config; call it before `prepare`. A no-op
+    without DeepSpeed.
+
+    The configs leave `train_micro_batch_size_per_gpu` to accelerate ("auto"), which fills it only from a prepared
+    DataLoader; these scripts cut their own batches (so that a run is the same on any number of processes), so
+    `prepare` would stop. DeepSpeed divides each loss by its own `gradient_accumulation_steps` and clips at its own
+    `gradient_clipping` inside `backward` (accelerate's `clip_grad_norm_` then only reads the norm back), so both are
+    set from the flags too: a config file's value would otherwise silently win over --max_grad_norm.
+    """
+    plugin = accelerator.state.deepspeed_plugin
+    if plugin is None:
+        return
+    config = plugin.deepspeed_config
+    config["train_micro_batch_size_per_gpu"] = micro_batch_size
+    config["gradient_accumulation_steps"] = gradient_accumulation_steps
+    config["train_batch_size"] = micro_batch_size * gradient_accumulation_steps * accelerator.num_processes
+    config["gradient_clipping"] = max_grad_norm
+
+
 def agree_on_error(accelerator, message):
     """The first non-None `message` (str) of any process, or None, returned identically on every process.
 
@@ -572,11 +610,12 @@ def save_atomically(accelerator, model, tokenizer, output_dir, stage, submodules
 
     Everything is written to `<output_dir>.tmp` first. Then the old output, if any, is tagged (REPLACED_MARKER) and
     renamed to `<output_dir>.old`, the new one to `output_dir`, and `.old` is deleted: at every instant the old or the
-    new output exists whole (`prepare_run_dirs` puts a stranded `.old` back, and refuses siblings it did not write). `extra_config` entries are stored in the model's config.json.
-    `submodules` maps subfolders ("" is `output_dir` itself) to attributes of `model` saved there instead of `model`
-    (ppo.py saves `{"": "policy", "value_model": "value_model"}`). Every process must call it; only the main process
-    writes. An OSError while writing removes the partial `.tmp`, keeps the old output and raises OSError with one
-    line, on every process.
+    new output exists whole (`prepare_run_dirs` puts a stranded `.old` back, and refuses siblings it did not
+    write). `extra_config` entries are stored in the model's config.json. `submodules` maps subfolders ("" is
+    `output_dir` itself) to attributes of `model` saved there instead of `model` (ppo.py saves
+    `{"": "policy", "value_model": "value_model"}`). Every process must call it; only the main process writes. An
+    OSError while writing removes the partial `.tmp`, keeps the old output and raises OSError with one line, on
+    every process.
     """
     accelerator.wait_for_everyone()
     unwrapped = accelerator.unwrap_model(model)
@@ -921,7 +960,7 @@ def main(args: Args):
     logging.basicConfig(format="%(asctime)s %(levelname)s %(message)s", level=logging.INFO)
     accelerator = Accelerator(gradient_accumulation_steps=args.gradient_accumulation_steps, log_with="tensorboard",
                               project_dir=args.log_dir,
-                              kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=args.dist_timeout_s))])
+                              kwargs_handlers=[process_group_kwargs(args.dist_timeout_s)])
     set_seed(args.seed)
     if accelerator.device.type == "cpu" and tune_cpu_allocator():
         logger.info("CPU run: malloc keeps freed memory for reuse (tune_cpu_allocator)", main_process_only=True)
@@ -957,7 +996,18 @@ def main(args: Args):
     model = load_model(args.model_name_or_path, AutoModelForSequenceClassification, num_labels=1)
     # The head is new (the SFT model had an LM head). Stiennon et al. 2020 draw it from N(0, 1/(d_model+1)), so the
     # first scores have roughly unit scale whatever the hidden size; also re-drawn when starting from a trained RM.
-    torch.nn.init.normal_(model.score.weight, std=1 / math.sqrt(model.score.in_features + 1))
+    # Under ZeRO-3, transformers builds the model already partitioned (`deepspeed.zero.Init`): the head's weight is
+    # an empty placeholder here, and drawing into it would silently do nothing. It is gathered whole, drawn on process
+    # 0 and partitioned again from that copy.
+    head = model.score.weight
+    if hasattr(head, "ds_id"):
+        import deepspeed
+
+        whole = deepspeed.zero.GatheredParameters([head], modifier_rank=0)
+    else:
+        whole = contextlib.nullcontext()
+    with whole:
+        torch.nn.init.normal_(head, std=1 / math.sqrt(model.score.in_features + 1))
     model.config.reward_bias = 0.0  # raw scores while training; the bias does not change the pairwise loss anyway
     reward_model = RewardModel(model)
     optimizer = torch.optim.AdamW(reward_model.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)
@@ -965,6 +1015,7 @@ def main(args: Args):
                               num_training_steps=args.max_steps)
     # The scheduler is stepped by hand once per optimizer step, so it is not prepared (accelerate would step it
     # once per process); it is registered so that checkpoints hold it.
+    fit_deepspeed_config(accelerator, args.per_device_train_batch_size, U, args.max_grad_norm)
     reward_model, optimizer = accelerator.prepare(reward_model, optimizer)
     accelerator.register_for_checkpointing(scheduler)
     accelerator.init_trackers(run_name, config=vars(args))
@@ -1008,7 +1059,7 @@ def main(args: Args):
                 if accelerator.sync_gradients:
                     grad_norm = accelerator.clip_grad_norm_(reward_model.parameters(), args.max_grad_norm)
                     # After the gradient all-reduce: a NaN on any process is on all of them, and all stop together.
-                    if grad_norm is not None and not torch.isfinite(grad_norm):
+                    if grad_norm is not None and not math.isfinite(grad_norm):  # a float under DeepSpeed
                         raise FloatingPointError(f"step {step + 1}: non-finite gradient (a loss was NaN or infinite "
                                                  "on some process).")
                 optimizer.step()  # a no-op until the U-th microbatch

@@ -16,6 +16,10 @@ Run it:
     accelerate launch sft.py                        # 1 GPU, or whatever `accelerate config` says
     accelerate launch --config_file configs/multi_gpu.yaml sft.py          # 8 GPUs, DDP
     accelerate launch --config_file configs/deepspeed_zero2.yaml sft.py    # 8 GPUs, ZeRO-2
+    accelerate launch --config_file configs/deepspeed_zero3.yaml sft.py    # 8 GPUs, ZeRO-3
+    # DeepSpeed without GPUs (its CPU accelerator, gloo; no ACCELERATE_USE_CPU, which would mean DDP): tested
+    # equal to DDP on 2 processes, ZeRO-2 and ZeRO-3 (sharded_test.py)
+    accelerate launch --config_file configs/deepspeed_zero2.yaml --num_processes 2 sft.py
     python sft.py --dataset_name ../shared/data/hh-rlhf/harmless-base-test.jsonl.gz --output_dir runs/hh/sft
 
 Follows: Ouyang et al. 2022 "Training language models to follow instructions with human feedback" (InstructGPT),
@@ -441,6 +445,40 @@ def output_stage(folder):
     return None
 
 
+def process_group_kwargs(timeout_s):
+    """The `InitProcessGroupKwargs` handler for `Accelerator`: collectives give up after `timeout_s` seconds.
+
+    DeepSpeed on a machine without GPUs (its CPU accelerator, which joins the processes with gloo by itself): for a
+    launch that is neither `--cpu` nor on GPUs, accelerate 1.x picks no backend, and then counts every process as
+    process 0 of 1 although DeepSpeed has joined them all. Each would be the main process, write the output and skip
+    every gather. Naming gloo makes accelerate read the rank and world size from the process group DeepSpeed made.
+    """
+    kwargs = {"timeout": timedelta(seconds=timeout_s)}
+    if os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true" and not torch.cuda.is_available():
+        kwargs["backend"] = "gloo"
+    return InitProcessGroupKwargs(**kwargs)
+
+
+def fit_deepspeed_config(accelerator, micro_batch_size, gradient_accumulation_steps, max_grad_norm):
+    """Write the script's own batch sizes and clipping into the DeepSpeed config; call it before `prepare`. A no-op
+    without DeepSpeed.
+
+    The configs leave `train_micro_batch_size_per_gpu` to accelerate ("auto"), which fills it only from a prepared
+    DataLoader; these scripts cut their own batches (so that a run is the same on any number of processes), so
+    `prepare` would stop. DeepSpeed divides each loss by its own `gradient_accumulation_steps` and clips at its own
+    `gradient_clipping` inside `backward` (accelerate's `clip_grad_norm_` then only reads the norm back), so both are
+    set from the flags too: a config file's value would otherwise silently win over --max_grad_norm.
+    """
+    plugin = accelerator.state.deepspeed_plugin
+    if plugin is None:
+        return
+    config = plugin.deepspeed_config
+    config["train_micro_batch_size_per_gpu"] = micro_batch_size
+    config["gradient_accumulation_steps"] = gradient_accumulation_steps
+    config["train_batch_size"] = micro_batch_size * gradient_accumulation_steps * accelerator.num_processes
+    config["gradient_clipping"] = max_grad_norm
+
+
 def agree_on_error(accelerator, message):
     """The first non-None `message` (str) of any process, or None, returned identically on every process.
 
@@ -554,11 +592,12 @@ def save_atomically(accelerator, model, tokenizer, output_dir, stage, submodules
 
     Everything is written to `<output_dir>.tmp` first. Then the old output, if any, is tagged (REPLACED_MARKER) and
     renamed to `<output_dir>.old`, the new one to `output_dir`, and `.old` is deleted: at every instant the old or the
-    new output exists whole (`prepare_run_dirs` puts a stranded `.old` back, and refuses siblings it did not write). `extra_config` entries are stored in the model's config.json.
-    `submodules` maps subfolders ("" is `output_dir` itself) to attributes of `model` saved there instead of `model`
-    (ppo.py saves `{"": "policy", "value_model": "value_model"}`). Every process must call it; only the main process
-    writes. An OSError while writing removes the partial `.tmp`, keeps the old output and raises OSError with one
-    line, on every process.
+    new output exists whole (`prepare_run_dirs` puts a stranded `.old` back, and refuses siblings it did not
+    write). `extra_config` entries are stored in the model's config.json. `submodules` maps subfolders ("" is
+    `output_dir` itself) to attributes of `model` saved there instead of `model` (ppo.py saves
+    `{"": "policy", "value_model": "value_model"}`). Every process must call it; only the main process writes. An
+    OSError while writing removes the partial `.tmp`, keeps the old output and raises OSError with one line, on
+    every process.
     """
     accelerator.wait_for_everyone()
     unwrapped = accelerator.unwrap_model(model)
@@ -824,18 +863,21 @@ def evaluate_sft(accelerator, model, eval_loader):
 
 
 @torch.no_grad()
-def generate_samples(model, tokenizer, prompts, max_prompt_length, max_length):
+def generate_samples(model, tokenizer, prompts, max_prompt_length, max_length, synced_gpus=False):
     """Greedy completions (strings) of `prompts`, for a quick look in tensorboard; left-padded batch generation.
     Each prompt keeps its last `max_prompt_length` tokens, as in training, so a long held-out prompt leaves room for
     a completion within `max_length`. Greedy and nothing else (`generate_with`): the samples show what the model
-    itself predicts, not what the checkpoint's repetition penalty or length settings make of it."""
+    itself predicts, not what the checkpoint's repetition penalty or length settings make of it.
+
+    `synced_gpus` (ZeRO-3): every generation step gathers the partitioned weights, a collective, so every process
+    must call this with the same prompts, and one that has finished keeps stepping until all have."""
     ids = [tokenizer(prompt, add_special_tokens=False)["input_ids"][-max_prompt_length:] for prompt in prompts]
     tokenizer.padding_side = "left"
     batch = tokenizer.pad({"input_ids": ids}, return_tensors="pt").to(model.device)
     tokenizer.padding_side = "right"
     greedy = GenerationConfig(max_new_tokens=max_length - batch["input_ids"].shape[1], do_sample=False,
                               eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
-    out = generate_with(model, greedy, **batch)
+    out = generate_with(model, greedy, **batch, synced_gpus=synced_gpus)
     return tokenizer.batch_decode(out[:, batch["input_ids"].shape[1]:], skip_special_tokens=True)
 
 
@@ -859,7 +901,7 @@ def main(args: Args):
     logging.basicConfig(format="%(asctime)s %(levelname)s %(message)s", level=logging.INFO)
     accelerator = Accelerator(gradient_accumulation_steps=args.gradient_accumulation_steps, log_with="tensorboard",
                               project_dir=args.log_dir,
-                              kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=args.dist_timeout_s))])
+                              kwargs_handlers=[process_group_kwargs(args.dist_timeout_s)])
     set_seed(args.seed)
     if accelerator.device.type == "cpu" and tune_cpu_allocator():
         logger.info("CPU run: malloc keeps freed memory for reuse (tune_cpu_allocator)", main_process_only=True)
@@ -908,19 +950,25 @@ def main(args: Args):
                               num_training_steps=args.max_steps)
     # The scheduler is stepped by hand once per optimizer step, so it is not prepared (accelerate would step it
     # once per process); it is registered so that checkpoints hold it.
+    fit_deepspeed_config(accelerator, args.per_device_train_batch_size, U, args.max_grad_norm)
     model, optimizer = accelerator.prepare(model, optimizer)
     accelerator.register_for_checkpointing(scheduler)
     accelerator.init_trackers(run_name, config=vars(args))
     writer = accelerator.get_tracker("tensorboard").tracker if accelerator.is_main_process else None
     prompts = list(held_out["prompt"][: args.num_sample_generations])
+    plugin = accelerator.state.deepspeed_plugin
+    sharded = plugin is not None and plugin.zero_stage == 3
 
     def log_eval(step):
         eval_loss = evaluate_sft(accelerator, model, eval_loader)
         accelerator.log({"eval/loss": eval_loss}, step=step)
         logger.info(f"step {step}: eval loss {eval_loss:.4f}", main_process_only=True)
-        if writer is not None and prompts:
+        # Under ZeRO-3 each generation step gathers the partitioned weights (a collective): every process generates,
+        # in step, and only the main process writes. Otherwise the main process alone generates.
+        if prompts and (writer is not None or sharded):
             samples = generate_samples(accelerator.unwrap_model(model), tokenizer, prompts, args.max_prompt_length,
-                                       args.max_length)
+                                       args.max_length, synced_gpus=sharded)
+        if writer is not None and prompts:
             table = "| prompt | completion |\n|---|---|\n" + "\n".join(
                 f"| {p} | {c} |".replace("\n", " ") for p, c in zip(prompts, samples))
             writer.add_text("samples", table, step)
@@ -956,7 +1004,7 @@ def main(args: Args):
                 if accelerator.sync_gradients:
                     grad_norm = accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
                     # After the gradient all-reduce: a NaN on any process is on all of them, and all stop together.
-                    if grad_norm is not None and not torch.isfinite(grad_norm):
+                    if grad_norm is not None and not math.isfinite(grad_norm):  # a float under DeepSpeed
                         raise FloatingPointError(f"step {step + 1}: non-finite gradient (a loss was NaN or infinite "
                                                  "on some process).")
                 optimizer.step()  # a no-op until the U-th microbatch
