@@ -263,6 +263,17 @@ def test_missing_columns_give_a_clear_error(tmp_path):
 
 
 
+
+def test_empty_texts_are_counted_in_a_warning(caplog):
+    import datasets
+    import logging
+
+    PartialState()
+    rows = datasets.Dataset.from_list([{"prompt": ""}, {"prompt": "a film"}, {"prompt": "  "}])
+    with caplog.at_level(logging.WARNING):
+        ppo.require_columns(rows, ["prompt"], "d.jsonl")
+    assert "2 of 3 rows have an empty 'prompt'" in caplog.text
+
 @pytest.mark.parametrize("max_prompt_length, max_length", [(0, 64), (-3, 64), (64, 64)])
 def test_sft_rejects_prompt_lengths_that_leave_nothing(tmp_path, max_prompt_length, max_length):
     """`[-0:]` would silently keep the whole prompt; a prompt as long as max_length leaves no completion."""
