@@ -12,7 +12,8 @@ DeepSpeed run on a machine compiles one small C++ op (about 30 s).
 
 - ZeRO-2: sft.py, reward.py, ppo.py (6 steps or updates), ppo_multinode.py (2 updates);
 - ZeRO-3: sft.py (tensorboard samples generated in step on every process), reward.py (the new score head drawn on
-  the whole parameter), ppo_multinode.py (and its `--debug_dump_dir` checksum covers whole parameters).
+  the whole parameter), ppo_multinode.py (and its `--debug_dump_dir` checksum covers whole parameters); sft.py
+  resumed from a ZeRO-3 checkpoint ends where the uninterrupted run ended.
 About a minute per test on 2 busy CPU cores, most of it process start-up.
 """
 
@@ -156,3 +157,19 @@ def test_zero3_equals_ddp(stage, tiny_model_dir, tiny_rm_dir, tmp_path):  # noqa
     assert_same_saved_weights(str(tmp_path / "ddp"), str(tmp_path / "zero3"))
     model_class = AutoModelForSequenceClassification if stage == "reward" else AutoModelForCausalLM
     model_class.from_pretrained(tmp_path / "zero3")
+
+
+def test_zero3_resume_equals_uninterrupted(tiny_model_dir, tmp_path):  # noqa: F811
+    """Under ZeRO-3 a checkpoint holds partitioned parameters and optimizer states (accelerate's save_state hands it
+    to DeepSpeed): resuming from the step-3 checkpoint of a 6-step run must end where that run ended."""
+    straight, resumed = str(tmp_path / "straight"), str(tmp_path / "resumed")
+    cmd = stage_command("sft", tiny_model_dir, None, straight, "straight", ["--save_every", "3",
+                                                                           "--save_total_limit", "2"])
+    cmd[cmd.index("--per_device_train_batch_size") + 1] = "2"
+    launch_two("deepspeed_zero3", cmd, "straight")
+    checkpoint = os.path.join(straight + "-checkpoints", "checkpoint-3")
+    cmd = stage_command("sft", tiny_model_dir, None, resumed, "resumed", ["--resume_from", checkpoint])
+    cmd[cmd.index("--per_device_train_batch_size") + 1] = "2"
+    launch_two("deepspeed_zero3", cmd, "resumed")
+    assert_same_saved_weights(straight, resumed)
+    assert assert_same_scalars(str(tmp_path / "tb"), "straight", "resumed", {4, 5, 6}) >= 3
