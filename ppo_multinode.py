@@ -1779,7 +1779,9 @@ def main(args: Args):
                 continue
             metrics[f"ppo/{name}_avg"] = table[..., 0].sum() / table[..., 1].sum()
         metrics["ppo/policy/max_abs_log_ratio"] = accelerator.gather(stats["policy/max_abs_log_ratio"][..., 0]).max()
-        metrics = {k: v.item() for k, v in metrics.items()}  # one host sync per update, here
+        # The metrics cost one host sync here; the others per update are the non-finite score check, the stop
+        # check and one gradient-norm check per optimizer step: each small, none inside a microbatch.
+        metrics = {k: v.item() for k, v in metrics.items()}
         n_tokens = accelerator.reduce(rollouts["attention_mask"].sum(), reduction="sum").item()
         metrics.update({
             "ppo/lr": scheduler.get_last_lr()[0], "objective/kl_coef": kl_coef,
