@@ -25,6 +25,7 @@ from accelerate import Accelerator, PartialState
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import ppo  # noqa: E402
+import imdb_rule_reward  # noqa: E402
 import ppo_multinode  # noqa: E402
 import sft  # noqa: E402
 
@@ -94,7 +95,7 @@ def run_args(tiny, out, **overrides):
 
 
 class StubTokenizer:
-    """Decodes token id i as the word `t<i>`: enough for `scores_from_main_process`, no tokenizer files needed."""
+    """Decodes token id i as the word `t<i>`: enough for `compute_scores`, no tokenizer files needed."""
 
     def batch_decode(self, sequences, skip_special_tokens=True):
         return [" ".join(f"t{int(i)}" for i in sequence) for sequence in sequences]
@@ -144,7 +145,7 @@ def run_together(commands, timeout, check=True):
 # ---------------------------------------------------------------------------------------------------------------
 def test_positive_words_reward():
     outputs = [" A great, wonderful film.", " Boring and bad, a waste.", " great great great great great", " It was."]
-    scores = ppo_multinode.positive_words_reward(["p" + o for o in outputs], ["p"] * 4, outputs)
+    scores = imdb_rule_reward.positive_words(["p" + o for o in outputs], ["p"] * 4, outputs)
     assert scores == [2 / 3, -1.0, 1.0, 0.0]
 
 
@@ -163,7 +164,7 @@ def test_reward_call_leaves_the_sampling_stream_alone():
     responses, response_mask = torch.tensor([[5, 6], [7, 0]]), torch.tensor([[1, 1], [1, 0]])
     torch.manual_seed(123)
     before = torch.get_rng_state()
-    scores, (prompts, outputs), stats = ppo_multinode.scores_from_main_process(
+    scores, (prompts, outputs), stats = ppo_multinode.compute_scores(
         accelerator, noisy_reward, StubTokenizer(), query_ids, query_mask, responses, response_mask)
     assert torch.equal(torch.get_rng_state(), before)
     assert torch.equal(drawn[0], torch.rand(5))  # the reward really drew from this generator
@@ -193,7 +194,7 @@ def central_worker(out_dir):
 
     torch.manual_seed(7 + rank)
     before = torch.get_rng_state()
-    scores, _, stats = ppo_multinode.scores_from_main_process(
+    scores, _, stats = ppo_multinode.compute_scores(
         accelerator, reward_fn if accelerator.is_main_process else None, StubTokenizer(), query_ids, query_mask,
         responses, response_mask)
     values = torch.tensor([1.0, 2.0]) if rank == 0 else torch.tensor([3.0, 4.0, 5.0, 6.0])
@@ -232,21 +233,23 @@ def test_two_nodes_on_loopback(tiny, tmp_path):
     from transformers import AutoModelForSequenceClassification
 
     dump = tmp_path / "dump"
-    args = run_args(tiny, tmp_path, reward_batch_size=3, debug_dump_dir=str(dump))
+    dump.mkdir()
+    args = run_args(tiny, tmp_path, reward_batch_size=3)
     script = [f"--{key}={value}" for key, value in args.items()]
     port = free_port()
     outputs = run_together([ACCELERATE + ["--multi_gpu", "--num_machines", "2", "--num_processes", "2",
                                           "--machine_rank", str(rank), "--main_process_ip", "127.0.0.1",
                                           "--main_process_port", str(port), "--num_cpu_threads_per_process", "1",
-                                          "ppo_multinode.py", *script] for rank in (0, 1)], timeout=240)
+                                          __file__, "record", str(dump), *script] for rank in (0, 1)], timeout=240)
     # the reward model is loaded on the main process only
     assert re.search(r"loaded reward model on cpu(:0)? \(process 0\)", outputs[0])
-    assert "loaded reward model" not in outputs[1] and "process 1: no reward model here" in outputs[1]
+    assert "loaded reward model" not in outputs[1]
 
     # each process received exactly the scores of its own samples: score them directly with the reward model
     rm = AutoModelForSequenceClassification.from_pretrained(tiny / "rm", num_labels=1).eval()
-    for update in (1, 2):
-        parts = [torch.load(dump / f"update{update}_rank{rank}.pt") for rank in (0, 1)]
+    calls = [torch.load(dump / f"scores_rank{rank}.pt") for rank in (0, 1)]
+    for update in (1, 2):  # call 0 scores the first evaluation, calls 1 and 2 the updates' rollouts
+        parts = [calls[rank][update] for rank in (0, 1)]
         for part in parts:
             with torch.no_grad():
                 direct = ppo.get_reward(rm, part["query_responses"], part["attention_mask"])
@@ -281,12 +284,78 @@ def test_node_local_checkpoint_folders_are_refused(tiny, tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------------------------
+# observing a run from outside: wrap the script's functions (no test-only flags in the scripts)
+# ---------------------------------------------------------------------------------------------------------------
+def parameter_checksum(model):
+    """sha256 of all of `model`'s parameters, in order, as raw bytes: equal on two processes only if every weight is
+    bit-identical. Under ZeRO-3 every process must call it: it gathers each parameter (a process keeps only a
+    partition and an empty placeholder, which would hash the same in any two runs)."""
+    import contextlib
+    import hashlib
+
+    digest = hashlib.sha256()
+    for parameter in model.parameters():
+        if hasattr(parameter, "ds_id"):
+            import deepspeed
+
+            whole = deepspeed.zero.GatheredParameters([parameter])
+        else:
+            whole = contextlib.nullcontext()
+        with whole:
+            digest.update(parameter.detach().to("cpu", torch.float32, copy=True).numpy().tobytes())
+    return digest.hexdigest()
+
+
+def record_scores(monkeypatch=None, dump=None):
+    """Wrap `ppo_multinode.compute_scores` so that every call's rows and received scores are recorded, in call order
+    (the first evaluation is call 0, update u's rollouts call u when no evaluation falls between). Returns the list;
+    with `dump`, also saved after each call to `<dump>/scores_rank<r>.pt`."""
+    calls, original = [], ppo_multinode.compute_scores
+
+    def recording(accelerator, reward_fn, tokenizer, query_ids, query_mask, responses, response_mask, *rest):
+        scores, (prompts, outputs), stats = original(accelerator, reward_fn, tokenizer, query_ids, query_mask,
+                                                     responses, response_mask, *rest)
+        calls.append({"prompts": prompts, "outputs": outputs, "scores": scores.cpu(),
+                      "query_responses": torch.cat([query_ids, responses], 1).cpu(),
+                      "attention_mask": torch.cat([query_mask, response_mask], 1).cpu(), **stats})
+        if dump is not None:
+            torch.save(calls, os.path.join(dump, f"scores_rank{accelerator.process_index}.pt"))
+        return scores, (prompts, outputs), stats
+
+    if monkeypatch is not None:
+        monkeypatch.setattr(ppo_multinode, "compute_scores", recording)
+    else:
+        ppo_multinode.compute_scores = recording
+    return calls
+
+
+def record_worker(dump, argv):
+    """`accelerate launch multinode_test.py record <dump> --flag=value ...`: ppo_multinode.py's own command line, run
+    with two functions wrapped: `compute_scores` (`record_scores`) and `ppo_epochs`, around which the trained weights
+    are checksummed: before the first call and after the last (`<dump>/params_rank<r>.pt`)."""
+    import tyro
+
+    record_scores(dump=dump)
+    checksums, ppo_epochs = {}, ppo_multinode.ppo_epochs
+
+    def checksummed(accelerator, model, *rest):
+        checksums.setdefault("before", parameter_checksum(accelerator.unwrap_model(model)))
+        stats = ppo_epochs(accelerator, model, *rest)
+        checksums["after"] = parameter_checksum(accelerator.unwrap_model(model))
+        torch.save(checksums, os.path.join(dump, f"params_rank{accelerator.process_index}.pt"))
+        return stats
+
+    ppo_multinode.ppo_epochs = checksummed
+    ppo_multinode.run_as_command(ppo_multinode.main, tyro.cli(ppo_multinode.Args, args=argv))
+
+
+# ---------------------------------------------------------------------------------------------------------------
 # FSDP on the CPU: the sharded-generation path, without accelerate (whose FSDP plugin insists on a GPU)
 # ---------------------------------------------------------------------------------------------------------------
 def fsdp_worker(out_dir):
     """Run under `torch.distributed.run --nproc_per_node 2`: a PolicyAndValue of two tiny Llamas, wrapped in FSDP
     with the settings of configs/fsdp.yaml (version 1, one unit per decoder layer, original parameters; here on the
-    CPU with gloo), goes twice through the script's rollout path (`sharded_generation_context`, `synced_rollout`,
+    CPU with gloo), goes twice through the script's rollout path (`sharded_generation_context`, `rollout`,
     `rollout_forward_passes`) and a training step through the wrapper. Process 1 generates 4 tokens more than
     process 0, so process 0 finishes first and must keep stepping (synced_gpus) while process 1 still needs its shard
     of every layer."""
@@ -318,7 +387,7 @@ def fsdp_worker(out_dir):
     shapes = []
     for update in range(2):
         with ppo_multinode.sharded_generation_context(accelerator, model):
-            responses = ppo_multinode.synced_rollout(model.module.policy, query_ids, query_mask, args, 1, 0, True)
+            responses = ppo_multinode.rollout(model.module.policy, query_ids, query_mask, args, 1, 0, True)
             response_mask = ppo_multinode.truncate_after_stop(responses, 1)
             out = ppo_multinode.rollout_forward_passes(
                 (model.module.policy, model.module.policy, model.module.value_model), query_ids, query_mask,
@@ -331,7 +400,7 @@ def fsdp_worker(out_dir):
         optimizer.zero_grad()
     local_size = sum(p.numel() for p in model.parameters())
     with FullyShardedDataParallel.summon_full_params(model):
-        checksum = ppo_multinode.parameter_checksum(model)
+        checksum = parameter_checksum(model)
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump({"shapes": shapes, "checksum": checksum, "local_size": local_size, "full_size": full_size}, f)
     torch.distributed.destroy_process_group()
@@ -389,18 +458,18 @@ def test_ppo_py_on_two_processes(tiny, tmp_path):
     assert any(not torch.equal(new[k], old[k]) for k in old)
 
 
-def test_reward_model_with_its_own_tokenizer(tiny, tmp_path):
+def test_reward_model_with_its_own_tokenizer(tiny, tmp_path, monkeypatch):
     """A BERT reward model (WordPiece vocabulary, `classifier` head, no `score`) scores the decoded text; the value
     model then starts from the SFT model with a fresh head, initialised as reward.py does."""
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-    dump = tmp_path / "dump"
+    calls = record_scores(monkeypatch)
     ppo_multinode.main(ppo_multinode.Args(**run_args(tiny, tmp_path, reward_model_path=str(tiny / "bert_rm")),
-                                          reward_batch_size=3, debug_dump_dir=str(dump)))
+                                          reward_batch_size=3))
     bert = AutoModelForSequenceClassification.from_pretrained(tiny / "bert_rm").eval()
     bert_tokenizer = AutoTokenizer.from_pretrained(tiny / "bert_rm", truncation_side="left")
     for update in (1, 2):
-        part = torch.load(dump / f"update{update}_rank0.pt")
+        part = calls[update]
         samples = [p + o for p, o in zip(part["prompts"], part["outputs"])]
         # BERT's own tokens and special tokens; a sample over its 64 positions keeps its end (the response)
         batch = bert_tokenizer(samples, padding=True, truncation=True, return_tensors="pt")
@@ -418,10 +487,10 @@ RECORDED_CALLS = []
 
 def recording_reward(samples, prompts, outputs, **kwargs):
     """A reward plugged in as `--reward_fn multinode_test:recording_reward`: records its calls, scores with the
-    built-in positive-words rule."""
+    example rule (imdb_rule_reward.py)."""
     RECORDED_CALLS.append({"n": len(samples), "joined": samples == [p + o for p, o in zip(prompts, outputs)],
                            "ids": tuple(kwargs["query_responses"].shape)})
-    return ppo_multinode.positive_words_reward(samples, prompts, outputs)
+    return imdb_rule_reward.positive_words(samples, prompts, outputs)
 
 
 def test_plugged_in_reward_function(tiny, tmp_path):
@@ -441,3 +510,5 @@ if __name__ == "__main__":
         central_worker(sys.argv[2])
     elif sys.argv[1] == "fsdp":  # python -m torch.distributed.run ... multinode_test.py fsdp <out_dir>
         fsdp_worker(sys.argv[2])
+    elif sys.argv[1] == "record":  # accelerate launch ... multinode_test.py record <dump> <ppo_multinode flags>
+        record_worker(sys.argv[2], sys.argv[3:])

