@@ -90,17 +90,19 @@ def stage_command(stage, model_dir, rm_dir, out, run_name, extra=()):
             "--per_device_train_batch_size", "4", "--eval_every", "100", "--eval_samples", "8", *common, *extra]
 
 
-@pytest.mark.parametrize("stage", ["sft", "reward", "ppo"])
-def test_kill_and_resume_equals_uninterrupted(stage, tiny_model_dir, tiny_rm_dir, tmp_path):  # noqa: F811
+@pytest.mark.parametrize("stage, precision", [("sft", "no"), ("reward", "no"), ("ppo", "no"), ("ppo", "bf16")])
+def test_kill_and_resume_equals_uninterrupted(stage, precision, tiny_model_dir, tiny_rm_dir, tmp_path):  # noqa: F811
     straight, killed = str(tmp_path / "straight"), str(tmp_path / "killed")
-    run(stage_command(stage, tiny_model_dir, tiny_rm_dir, straight, "straight"))
+    flags = ["--mixed_precision", precision]
+    run(stage_command(stage, tiny_model_dir, tiny_rm_dir, straight, "straight", flags))
     checkpoints = killed + "-checkpoints"
-    code = kill_when(stage_command(stage, tiny_model_dir, tiny_rm_dir, killed, "killed", ["--save_every", "3"]),
+    command = stage_command(stage, tiny_model_dir, tiny_rm_dir, killed, "killed", ["--save_every", "3", *flags])
+    code = kill_when(command,
                      lambda: os.path.isdir(os.path.join(checkpoints, "checkpoint-3")))
     assert code == -signal.SIGKILL, "the run ended before it could be killed"
     assert not os.path.exists(killed)  # no final output from a killed run
     run(stage_command(stage, tiny_model_dir, tiny_rm_dir, killed, "resumed",
-                      ["--save_every", "3", "--resume_from", "latest"]))
+                      ["--save_every", "3", "--resume_from", "latest", *flags]))
     assert_same_weights(straight, killed, atol=1e-6)
     if stage == "ppo":
         assert_same_weights(os.path.join(straight, "value_model"), os.path.join(killed, "value_model"), atol=1e-6)
@@ -112,6 +114,23 @@ def test_kill_and_resume_equals_uninterrupted(stage, tiny_model_dir, tiny_rm_dir
             assert want[tag][step] == pytest.approx(value, abs=1e-6, rel=1e-6), f"{tag} at step {step}"
             compared += 1
     assert compared >= 3  # the resumed run logged steps 4-6
+
+
+@pytest.mark.parametrize("script", ["ppo.py", "ppo_multinode.py"])
+def test_bf16_at_learning_rate_0_the_ratio_is_exactly_1(script, tiny_model_dir, tiny_rm_dir, tmp_path):  # noqa: F811
+    """Under bf16 autocast the rollout's logprobs (generation and the rollout forward passes, in chunks of 8) and the
+    training forward's (microbatches of 4) come from the same precision path: with learning rate 0 every PPO ratio
+    is exactly 1. The rollout ran in float32 while the training forward was autocast, this would fail (about 1e-2)."""
+    command = stage_command("ppo", tiny_model_dir, tiny_rm_dir, str(tmp_path / "out"), "lr0",
+                            ["--mixed_precision", "bf16", "--learning_rate", "0", "--total_episodes", "16"])
+    command[1] = script
+    proc = run(command)
+    assert "mixed precision: bf16 (--mixed_precision bf16)" in proc.stdout
+    found = scalars(str(tmp_path / "tb"), "lr0", {1, 2})
+    assert set(found["ppo/policy/max_abs_log_ratio"]) == {1, 2}
+    for tag in ("ppo/policy/max_abs_log_ratio", "ppo/policy/approxkl_avg", "ppo/policy/clipfrac_avg"):
+        assert all(value == 0.0 for value in found[tag].values()), (tag, found[tag])
+    assert all(value == 1.0 for value in found["ppo/val/ratio_avg"].values())
 
 
 def test_kill_during_checkpoint_write_keeps_the_previous_one(tiny_model_dir, tiny_rm_dir, tmp_path):  # noqa: F811

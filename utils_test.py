@@ -165,7 +165,7 @@ class FakeAccelerator:
 
     def __init__(self, rank, world, accumulation_steps):
         self.process_index, self.num_processes, self.device = rank, world, torch.device("cpu")
-        self.steps, self.accumulation_steps, self.sync_gradients = 0, accumulation_steps, False
+        self.steps, self.accumulation_steps, self.sync_gradients, self.scaler = 0, accumulation_steps, False, None
 
     def reduce(self, tensor, reduction):
         return tensor
@@ -246,6 +246,19 @@ def right_to_left_padding(input_ids, attention_mask):
     """Move each row's padding to its left, real tokens kept in order (a stable sort of the positions on the mask)."""
     order = torch.sort(attention_mask, dim=1, stable=True).indices
     return input_ids.gather(1, order), attention_mask.gather(1, order)
+
+
+def test_choose_precision(monkeypatch):
+    """`auto` follows the launcher when it set a precision, else the hardware; anything else is refused."""
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "fp16")
+    assert ppo.choose_precision("auto") == "fp16" and ppo.choose_precision("no") == "no"
+    monkeypatch.delenv("ACCELERATE_MIXED_PRECISION")
+    with open("/proc/cpuinfo", encoding="utf-8") as f:
+        has_bf16 = bool({"avx512_bf16", "amx_bf16"} & set(f.read().split()))
+    if not torch.cuda.is_available():
+        assert ppo.choose_precision("auto") == ("bf16" if has_bf16 else "no")
+    with pytest.raises(ValueError, match="--mixed_precision 'fp8'"):
+        ppo.choose_precision("fp8")
 
 
 def test_left_pad_truncates_from_the_left():
