@@ -51,16 +51,6 @@ SCALING = [(16, 24), (16, 48), (16, 96), (8, 24), (32, 24)]  # (rollouts, respon
 TARGET_BF16_RATIO = 0.5  # issue 13: ours in bf16 at most half TRL's s/update (TRL as shipped) on SmolLM2
 
 
-def ppo_has_mixed_precision():
-    """Whether ppo.py's `Args` has the `mixed_precision` field (read from its source: the driver imports no torch).
-    Without it only fp32 can run; ours_ppo.py checks the same on the real class and refuses bf16 too."""
-    import ast
-
-    tree = ast.parse((BENCH_DIR.parent / "ppo.py").read_text())
-    args = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Args")
-    return any(isinstance(n, ast.AnnAssign) and getattr(n.target, "id", "") == "mixed_precision" for n in args.body)
-
-
 def load_peak(args):
     """This machine's matmul peak (peak_flops.py's JSON at `--peak_json`), measured first if the file is missing or
     was measured with another thread count. Returns the JSON dict (its "peak_tflops": {"fp32", "bf16"})."""
@@ -360,7 +350,7 @@ def main(argv=None):
     args.precisions = [p.strip() for p in args.precisions.split(",") if p.strip()]
     if not args.precisions or set(args.precisions) - set(ours_ppo.PRECISIONS):
         ap.error(f"--precisions: a comma-separated list of {sorted(ours_ppo.PRECISIONS)}")
-    if "bf16" in args.precisions and not ppo_has_mixed_precision():
+    if "bf16" in args.precisions and not ours_ppo.ppo_has_mixed_precision():
         ap.error("--precisions bf16: this ppo.py's Args has no `mixed_precision` field yet (issue 13 adds it), so our "
                  "side can only run in fp32; pass --precisions fp32 until it lands.")
     if args.updates < 2:

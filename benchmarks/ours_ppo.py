@@ -157,6 +157,16 @@ def write_prompts(tokenizer, n, folder):
 PRECISIONS = {"fp32": "no", "bf16": "bf16"}  # --precision -> ppo.Args.mixed_precision (accelerate's names)
 
 
+def ppo_has_mixed_precision():
+    """Whether ppo.py's `Args` has the `mixed_precision` field, read from its source (for drivers that import no
+    torch: bench.py, gpu_bench.py's parent); `precision_kwargs` checks the real class."""
+    import ast
+
+    tree = ast.parse((BENCH_DIR.parent / "ppo.py").read_text())
+    args = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Args")
+    return any(isinstance(n, ast.AnnAssign) and getattr(n.target, "id", "") == "mixed_precision" for n in args.body)
+
+
 def precision_kwargs(ppo, precision):
     """The `ppo.Args` keyword that selects `precision` ("fp32" or "bf16").
 

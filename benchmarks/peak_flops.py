@@ -75,6 +75,20 @@ def time_matmul(torch, device, dtype, m, k, n, min_time_s, rounds):
     return best
 
 
+def device_name(device):
+    """The GPU's name (torch), or the CPU's model name (/proc/cpuinfo where there is one)."""
+    import torch
+
+    if device == "cuda":
+        return torch.cuda.get_device_name(0)
+    if os.path.exists("/proc/cpuinfo"):
+        with open("/proc/cpuinfo") as f:
+            names = [line.split(":", 1)[1].strip() for line in f if line.startswith("model name")]
+        if names:
+            return names[0]
+    return platform.processor() or platform.machine()
+
+
 def measure(device="cpu", threads=2, tokens=448, response_tokens=192, square=None, min_time_s=0.25, rounds=3,
             dtypes=("fp32", "bf16"), verbose=True):
     """Run every shape in every dtype on `device`; return the JSON-able result (see the module docstring)."""
@@ -84,12 +98,8 @@ def measure(device="cpu", threads=2, tokens=448, response_tokens=192, square=Non
         torch.set_num_threads(threads)
     square = square or (8192 if device == "cuda" else 2048)
     torch_dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16}
-    if device == "cuda":
-        # Plain fp32 products, as ppo.py's fp32 runs do them (torch's default): no TF32 unless the user enabled it.
-        name = torch.cuda.get_device_name(0)
-    else:
-        name = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
-                    platform.processor()) if os.path.exists("/proc/cpuinfo") else platform.processor()
+    # fp32 products run as torch's default does them, as in ppo.py's fp32 runs: no TF32 unless the user enabled it.
+    name = device_name(device)
     rows = []
     for dtype in dtypes:
         for shape_name, m, k, n in shapes(tokens, response_tokens, square):
