@@ -1,13 +1,13 @@
 """Side-by-side PPO benchmark: our `ppo.py` against TRL 1.12.0's `PPOTrainer`, same models, prompts and settings.
 
-Runs `ours_ppo.py` (ppo.main in-process) and `trl_ppo.py` as fresh child processes, alternating the sides
-ours bf16, ours fp32, TRL as shipped (fp32), [TRL + ppo.py's malloc setting], ours bf16, ... (`--runs` each), so slow
-drifts of the machine hit every side alike and each process's peak RSS is its own. `--precisions` picks our sides
-(default fp32,bf16; bf16 needs ppo.Args.mixed_precision). While a child runs, the CPU time used by everything else is
-measured: busy jiffies of /proc/stat (steal included) minus the child's own CPU time (os.wait4's rusage). A run
-during which the rest of the machine used more than `--busy_limit` cores on average is marked contaminated and run
-again, up to `--max_reruns` times. (With 2 torch threads on 2 cores, one busy core elsewhere slows torch down far
-more than 2x: its threads wait for each other.)
+Runs `ours_ppo.py` (ppo.main in-process) and `trl_ppo.py` as fresh child processes, alternating the sides ours
+fp32, ours bf16 (the order of `--precisions`), TRL as shipped (fp32), [TRL + ppo.py's malloc setting], ours fp32,
+... (`--runs` each), so slow drifts of the machine hit every side alike and each process's peak RSS is its own.
+`--precisions` picks our sides (default fp32,bf16; bf16 needs ppo.Args.mixed_precision). While a child runs,
+the CPU time used by everything else is measured: busy jiffies of /proc/stat (steal included) minus the child's
+own CPU time (os.wait4's rusage). A run during which the rest of the machine used more than `--busy_limit` cores
+on average is marked contaminated and run again, up to `--max_reruns` times. (With 2 torch threads on 2 cores,
+one busy core elsewhere slows torch down far more than 2x: its threads wait for each other.)
 
 Prints markdown tables and writes a small JSON to `benchmarks/results/`:
   default      one row per side: s/update, ratio to TRL as shipped, peak RSS, training-phase seconds, achieved

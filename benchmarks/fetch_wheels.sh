@@ -8,7 +8,7 @@
 # environment runs, built for CPython 3.12 on manylinux x86-64 (all are pure Python except multiprocess's py312
 # build). --no-deps: pip resolves nothing, so the machine's own torch, numpy, pyarrow, ... stay as they are.
 #
-# Usage (here, where pip reaches PyPI; the folder must not be committed: ignore it in .git/info/exclude):
+# Usage (here, where pip reaches PyPI; the default folder .whl/ is git-ignored (.gitignore), never committed):
 #   bash benchmarks/fetch_wheels.sh [FOLDER]        # ~1.2 MB
 # gpu.sh then installs FOLDER/*.whl into /tmp/site when tyro or datasets is missing.
 set -euo pipefail

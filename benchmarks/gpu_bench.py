@@ -248,9 +248,10 @@ def markdown(results, peak, args, date):
              f"{peak['measured_tflops']['bf16']:.1f} TFLOP/s, fp32 {peak['measured_tflops']['fp32']:.1f}"
              + (f"; datasheet dense bf16 {sheet:.1f}" if sheet else "; no datasheet figure (MFU vs measured)") + ".",
              f"Workload: {args.rollouts} rollouts x (query {args.query_len} + response {args.response_len}) per "
-             f"update, {args.ppo_epochs} epochs x {args.num_mini_batches} minibatches; median of updates 2..{args.updates}.",
-             "", "| model | params | s/update | tokens/s | generation s | scoring s | training s | other s "
-             "| training TFLOP/s | training MFU | update MFU | peak GPU mem |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             f"update, {args.ppo_epochs} epochs x {args.num_mini_batches} minibatches; median of updates "
+             f"2..{args.updates}.", "",
+             "| model | params | s/update | tokens/s | generation s | scoring s | training s | other s "
+             "| training TFLOP/s | training MFU | update MFU | peak GPU mem |", "|---|" * 12]
     for size, r in results.items():
         if "error" in r:
             lines.append(f"| {size} | – | failed: {r['error']} |" + " |" * 9)

@@ -136,8 +136,9 @@ def main(argv=None):
     ap.add_argument("--square", type=int, default=None, help="size of the large square product (CPU 2048, GPU 8192)")
     ap.add_argument("--min_time_s", type=float, default=0.25, help="least time of one timed round")
     ap.add_argument("--rounds", type=int, default=3, help="timed rounds per shape; the fastest counts")
-    ap.add_argument("--out", default=None, help="JSON path (default benchmarks/results/peak_flops_<device>.json; with --device all the defaults "
-                         "are used, one per device)")
+    ap.add_argument("--out", default=None,
+                    help="JSON path (default benchmarks/results/peak_flops_<device>.json; with --device all the "
+                         "defaults are used, one per device)")
     args = ap.parse_args(argv)
     import torch
 
