@@ -226,6 +226,8 @@ def measure_peak(args):
     measured = peak_flops.measure(device, threads=threads, min_time_s=0.2 if device == "cuda" else 0.25, rounds=3,
                                   verbose=False)
     name = measured["device_name"]
+    if device == "cuda":
+        torch.cuda.empty_cache()  # give the matmul buffers back: the children need the GPU's memory, not this process
     return {"device": device, "device_name": name,
             "datasheet_bf16_tflops": datasheet_peak(name) if device == "cuda" else None,
             "measured_tflops": measured["peak_tflops"], "measured": measured}
@@ -251,7 +253,7 @@ def markdown(results, peak, args, date):
              f"update, {args.ppo_epochs} epochs x {args.num_mini_batches} minibatches; median of updates "
              f"2..{args.updates}.", "",
              "| model | params | s/update | tokens/s | generation s | scoring s | training s | other s "
-             "| training TFLOP/s | training MFU | update MFU | peak GPU mem |", "|---|" * 12]
+             "| training TFLOP/s | training MFU | update MFU | peak GPU mem |", "|" + "---|" * 12]
     for size, r in results.items():
         if "error" in r:
             lines.append(f"| {size} | – | failed: {r['error']} |" + " |" * 9)
