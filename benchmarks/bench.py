@@ -1,24 +1,30 @@
 """Side-by-side PPO benchmark: our `ppo.py` against TRL 1.12.0's `PPOTrainer`, same models, prompts and settings.
 
-Runs `ours_ppo.py` (ppo.main in-process) and `trl_ppo.py` as fresh child processes, alternating ours, TRL, ours,
-TRL, ... (`--runs` each), so slow drifts of the machine hit both sides alike and each process's peak RSS is its own.
-While a child runs, the CPU time used by everything else is measured: busy jiffies of /proc/stat (steal included)
-minus the child's own CPU time (os.wait4's rusage). A run during which the rest of the machine used more than
-`--busy_limit` cores on average is marked contaminated and run again, up to `--max_reruns` times. (With 2 torch
-threads on 2 cores, one busy core elsewhere slows torch down far more than 2x: its threads wait for each other.)
+Runs `ours_ppo.py` (ppo.main in-process) and `trl_ppo.py` as fresh child processes, alternating the sides ours
+fp32, ours bf16 (the order of `--precisions`), TRL as shipped (fp32), [TRL + ppo.py's malloc setting], ours fp32,
+... (`--runs` each), so slow drifts of the machine hit every side alike and each process's peak RSS is its own.
+`--precisions` picks our sides (default fp32,bf16; bf16 needs ppo.Args.mixed_precision). While a child runs,
+the CPU time used by everything else is measured: busy jiffies of /proc/stat (steal included) minus the child's
+own CPU time (os.wait4's rusage). A run during which the rest of the machine used more than `--busy_limit` cores
+on average is marked contaminated and run again, up to `--max_reruns` times. (With 2 torch threads on 2 cores,
+one busy core elsewhere slows torch down far more than 2x: its threads wait for each other.)
 
 Prints markdown tables and writes a small JSON to `benchmarks/results/`:
-  default      model | ours s/update | TRL s/update | ratio | ours peak RSS | TRL peak RSS | floor | overhead,
-               plus a phase breakdown. s/update: the median over runs of each run's median update time, the first
-               (warm-up) update of every run left out; floor: `ours_ppo.py --floor`, the bare model calls of one
-               update; overhead = ours / floor - 1.
+  default      one row per side: s/update, ratio to TRL as shipped, peak RSS, training-phase seconds, achieved
+               TFLOP/s of the training phase and of the whole update with their fraction of this machine's matmul
+               peak in the side's precision (peak_flops.py, `--peak_json`; FLOPs counted by flops.py), floor and
+               overhead; then a phase breakdown and the bf16 target line (ours bf16 <= 0.5 x TRL).
+               s/update: the median over runs of each run's median update time, the first (warm-up) update of every
+               run left out; floor: `ours_ppo.py --floor --precision P`, the bare model calls of one update;
+               overhead = side / floor - 1.
   --scaling    seconds per update for response length 24/48/96 (16 rollouts) and 8/16/32 rollouts (response 24).
 
 Run (on a quiet machine; README.md has timings):
     python benchmarks/bench.py --model tiny
     python benchmarks/bench.py --model smollm2
     python benchmarks/bench.py --scaling
-    python benchmarks/bench.py --model tiny --runs 1 --updates 2 --floor_reps 1   # smoke test, a minute or two
+    python benchmarks/bench.py --model tiny --runs 1 --updates 2 --floor_reps 1   # smoke test, a few minutes
+    python benchmarks/bench.py --model tiny --precisions fp32      # while ppo.py has no mixed_precision field
 """
 
 import argparse
@@ -34,6 +40,7 @@ from pathlib import Path
 
 BENCH_DIR = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH_DIR))
+import flops  # noqa: E402  (stdlib only)
 import ours_ppo  # noqa: E402  (no torch at import time)
 
 CLK_TCK = os.sysconf("SC_CLK_TCK")
@@ -41,6 +48,21 @@ DEFAULT_UPDATES = {"tiny": 6, "smollm2": 4}
 # glibc's environment-variable form of what ppo.py's tune_cpu_allocator() does at run time (--trl_malloc).
 TRL_MALLOC_ENV = {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": str(2**31 - 1)}
 SCALING = [(16, 24), (16, 48), (16, 96), (8, 24), (32, 24)]  # (rollouts, response tokens)
+TARGET_BF16_RATIO = 0.5  # issue 13: ours in bf16 at most half TRL's s/update (TRL as shipped) on SmolLM2
+
+
+def load_peak(args):
+    """This machine's matmul peak (peak_flops.py's JSON at `--peak_json`), measured first if the file is missing or
+    was measured with another thread count. Returns the JSON dict (its "peak_tflops": {"fp32", "bf16"})."""
+    path = Path(args.peak_json)
+    peak = json.loads(path.read_text()) if path.is_file() else None
+    if peak is None or peak.get("device") != "cpu" or peak.get("threads") != args.threads:
+        wait_for_quiet(args.busy_limit, args.quiet_wait_s)
+        print(f"[bench] measuring the matmul peak ({args.threads} threads) -> {path}", flush=True)
+        subprocess.run([sys.executable, str(BENCH_DIR / "peak_flops.py"), "--threads", str(args.threads),
+                        "--out", str(path)], check=True)
+        peak = json.loads(path.read_text())
+    return peak
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -143,10 +165,10 @@ def side_by_side(args, logs, model, rollouts, response_len, label):
     """Alternate ours and TRL `--runs` times on one setting. Returns {side: [used attempt per run]}, all attempts."""
     common = ["--model", model, "--updates", str(args.updates), "--rollouts", str(rollouts),
               "--response_len", str(response_len), "--seed", str(args.seed), "--threads", str(args.threads)]
-    cmds = {"ours": [sys.executable, str(BENCH_DIR / "ours_ppo.py"), *common, "--model_cache", args.model_cache],
-            "trl": [sys.executable, str(BENCH_DIR / "trl_ppo.py"), *common]}
-    sides = ["ours", "trl"] + (["trl_malloc"] if args.trl_malloc else [])
-    cmds["trl_malloc"] = cmds["trl"]
+    ours = [sys.executable, str(BENCH_DIR / "ours_ppo.py"), *common, "--model_cache", args.model_cache]
+    cmds = {f"ours_{p}": ours + ["--precision", p] for p in args.precisions}
+    cmds["trl"] = cmds["trl_malloc"] = [sys.executable, str(BENCH_DIR / "trl_ppo.py"), *common]
+    sides = [f"ours_{p}" for p in args.precisions] + ["trl"] + (["trl_malloc"] if args.trl_malloc else [])
     used, everything = {side: [] for side in sides}, []
     for run in range(args.runs):
         for side in sides:
@@ -160,8 +182,9 @@ def side_by_side(args, logs, model, rollouts, response_len, label):
 def same_rollouts(used):
     """Both sides sample with the same seed from identical models and prompts, so (while lr 3e-6 has barely moved
     the policy) they draw the same responses and get the same reward-model scores. Max |score difference| per
-    update over the first run of each side: ~1e-6 means the two sides really ran the same workload."""
-    ours = [u["objective/scores"] for u in used["ours"][0]["result"]["per_update"]]
+    update over the first run of each side: ~1e-6 means the two sides really ran the same workload. Only ours in
+    fp32 is compared (TRL runs in fp32; bf16 rounds differently and samples other responses)."""
+    ours = [u["objective/scores"] for u in used["ours_fp32"][0]["result"]["per_update"]]
     trl = [u["logs"]["objective/scores"] for u in used["trl"][0]["result"]["per_update"]]
     # TRL cuts a response at a sampled pad token (== EOS for SmolLM2) before scoring it, ours scores all T tokens:
     # in an update where that happened the scores differ although the sampled tokens are the same.
@@ -183,7 +206,7 @@ def same_rollouts_line(check):
 
 def summary(used):
     """Median over runs of the per-run medians, with the range, and the median peak RSS."""
-    s = {"same_rollouts_check": same_rollouts(used)} if "trl" in used else {}
+    s = {"same_rollouts_check": same_rollouts(used)} if "trl" in used and "ours_fp32" in used else {}
     for side, recs in used.items():
         values = [headline(r) for r in recs]
         s[side] = {"s_per_update": round(statistics.median(values), 4), "min": min(values), "max": max(values),
@@ -204,49 +227,96 @@ def cell(side_summary):
 # ---------------------------------------------------------------------------------------------------------------
 # The two benchmarks
 # ---------------------------------------------------------------------------------------------------------------
-def main_table(args, logs):
+def label(side):
+    return {"ours_fp32": "ours fp32", "ours_bf16": "ours bf16", "trl": "TRL as shipped (fp32)",
+            "trl_malloc": "TRL + ppo.py's malloc setting"}.get(side, side)
+
+
+def add_flop_rates(s, used, peak):
+    """Each side's achieved FLOP/s in the training phase and over the whole update, and their fractions of this
+    machine's peak in the side's precision. The FLOPs are the workload's (flops.py, the same for every side: TRL's
+    extra full-sequence LM head is not counted, so its rate is the useful work's rate). TRL's training phase is its
+    model calls only (forward, backward, optimizer step)."""
+    work = next(recs[0]["result"]["flops"] for side, recs in used.items() if side.startswith("ours_"))
+    for side, summ in s.items():
+        if side == "same_rollouts_check" or "phases_s" not in summ:
+            continue
+        precision = "bf16" if side.endswith("bf16") else "fp32"
+        summ["precision"] = precision
+        summ["flop_rates"] = flops.rates(work, {"training": summ["phases_s"]["training"],
+                                                "update": summ["s_per_update"]}, peak["peak_tflops"][precision])
+    return work
+
+
+def main_table(args, logs, peak):
     used, runs = side_by_side(args, logs, args.model, 16, 24, args.model)
-    if args.floor_reps > 0:
+    for precision in args.precisions if args.floor_reps > 0 else []:
         cmd = [sys.executable, str(BENCH_DIR / "ours_ppo.py"), "--floor", "--model", args.model, "--seed",
                str(args.seed), "--threads", str(args.threads), "--floor_reps", str(args.floor_reps),
-               "--model_cache", args.model_cache]
-        rec, attempts = measure("floor", cmd, args, logs, args.model)
-        used["floor"] = [rec]
+               "--model_cache", args.model_cache, "--precision", precision]
+        rec, attempts = measure(f"floor_{precision}", cmd, args, logs, args.model)
+        used[f"floor_{precision}"] = [rec]
         runs += [dict(compact(a), run=0, used=a is rec) for a in attempts]
     s = summary(used)
-    ours, trl = s["ours"], s["trl"]
-    floor, overhead = "–", "–"
-    if "floor" in s:
-        floor = f"{s['floor']['s_per_update']:.3f}" + ("*" if s["floor"]["contaminated_runs_used"] else "")
-        overhead = f"{ours['s_per_update'] / s['floor']['s_per_update'] - 1:+.0%}"
-    lines = ["| model | ours s/update (median) | TRL s/update (median) | ratio ours/TRL | ours peak RSS | TRL peak RSS "
-             "| floor | overhead (ours/floor − 1) |", "|---|---|---|---|---|---|---|---|",
-             f"| {args.model} | {cell(ours)} | {cell(trl)} | {ours['s_per_update'] / trl['s_per_update']:.2f} "
-             f"| {ours['peak_rss_mb']:.0f} MiB | {trl['peak_rss_mb']:.0f} MiB | {floor} | {overhead} |", "",
-             "| phase (median s) | ours | TRL (model calls only) |", "|---|---|---|"]
+    work = add_flop_rates(s, used, peak)
+    trl = s["trl"]
+    sides = [k for k in used if not k.startswith("floor_")]
+    pk = peak["peak_tflops"]
+    lines = [f"Matmul peak of this machine (peak_flops.py, {peak['threads']} threads): fp32 {pk['fp32']:.3f}, bf16 "
+             f"{pk['bf16']:.3f} TFLOP/s. FLOPs per update (flops.py): training {work['training'] / 1e9:.1f} G, "
+             f"whole update {work['total'] / 1e9:.1f} G.", "",
+             "| side | s/update (median) | ratio to TRL as shipped | peak RSS | training phase s | training TFLOP/s "
+             "(% of peak) | update TFLOP/s (% of peak) | floor | overhead (side/floor − 1) |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for side in sides:
+        x, rates = s[side], s[side]["flop_rates"]
+        floor, overhead = "–", "–"
+        if f"floor_{side[5:]}" in s:
+            f = s[f"floor_{side[5:]}"]
+            floor = f"{f['s_per_update']:.3f}" + ("*" if f["contaminated_runs_used"] else "")
+            overhead = f"{x['s_per_update'] / f['s_per_update'] - 1:+.0%}"
+        rate = lambda k: f"{rates[k]['tflops']:.4f} ({rates[k]['fraction_of_peak']:.1%} of {x['precision']})"  # noqa
+        lines.append(f"| {label(side)} | {cell(x)} | {x['s_per_update'] / trl['s_per_update']:.2f} "
+                     f"| {x['peak_rss_mb']:.0f} MiB | {x['phases_s']['training']:.3f} | {rate('training')} "
+                     f"| {rate('update')} | {floor} | {overhead} |")
+    lines += ["", "| phase (median s) | " + " | ".join(label(k) for k in sides) + " |",
+              "|---|" + "---|" * len(sides)]
     for k in ("generation", "scoring", "training", "other", "update"):
-        lines.append(f"| {k} | {ours['phases_s'][k]:.3f} | {trl['phases_s'][k]:.3f} |")
+        lines.append(f"| {k} | " + " | ".join(f"{s[side]['phases_s'][k]:.3f}" for side in sides) + " |")
+    lines += ["", "TRL's phases are its model calls only; its `other` holds its loss maths, logprobs from the "
+              "generation scores and gc.collect()."]
+    if "ours_bf16" in s:
+        ratio = s["ours_bf16"]["s_per_update"] / trl["s_per_update"]
+        lines += ["", f"Target (issue 13, on SmolLM2): ours bf16 / TRL as shipped <= {TARGET_BF16_RATIO}; here "
+                  f"{ratio:.2f} ({'met' if ratio <= TARGET_BF16_RATIO else 'not met'}, model {args.model})."]
     if "trl_malloc" in s:
-        tm, env = s["trl_malloc"], " ".join(f"{k}={v}" for k, v in TRL_MALLOC_ENV.items())
-        lines += ["", f"TRL with glibc's malloc set as ppo.py sets it (env {env}): {cell(tm)} s/update, peak RSS "
-                  f"{tm['peak_rss_mb']:.0f} MiB; ratio ours/that {ours['s_per_update'] / tm['s_per_update']:.2f}."]
-    lines += ["", same_rollouts_line(s["same_rollouts_check"])]
+        env = " ".join(f"{k}={v}" for k, v in TRL_MALLOC_ENV.items())
+        lines += ["", f"TRL + malloc = TRL with glibc's malloc set as ppo.py sets it (env {env})."]
+    if "same_rollouts_check" in s:
+        lines += ["", same_rollouts_line(s["same_rollouts_check"])]
     return s, runs, lines
 
 
-def scaling_table(args, logs):
+def scaling_table(args, logs, peak):
     results, runs = {}, []
     for rollouts, response_len in SCALING:
-        label = f"{args.model}_b{rollouts}_t{response_len}"
-        used, r = side_by_side(args, logs, args.model, rollouts, response_len, label)
-        results[label] = dict(summary(used), rollouts=rollouts, response_len=response_len)
-        runs += [dict(x, setting=label) for x in r]
-    lines = ["| rollouts | response tokens | ours s/update | TRL s/update | ratio ours/TRL |", "|---|---|---|---|---|"]
+        label_ = f"{args.model}_b{rollouts}_t{response_len}"
+        used, r = side_by_side(args, logs, args.model, rollouts, response_len, label_)
+        results[label_] = dict(summary(used), rollouts=rollouts, response_len=response_len)
+        add_flop_rates(results[label_], used, peak)
+        runs += [dict(x, setting=label_) for x in r]
+    ours = [f"ours_{p}" for p in args.precisions]
+    lines = ["| rollouts | response tokens | " + " | ".join(f"{label(o)} s/update" for o in ours)
+             + " | TRL s/update | " + " | ".join(f"ratio {label(o)}/TRL" for o in ours) + " |",
+             "|---|---|" + "---|" * (2 * len(ours) + 1)]
     for s in results.values():
-        lines.append(f"| {s['rollouts']} | {s['response_len']} | {cell(s['ours'])} | {cell(s['trl'])} "
-                     f"| {s['ours']['s_per_update'] / s['trl']['s_per_update']:.2f} |")
-    worst = max(s["same_rollouts_check"]["max_abs_diff"] for s in results.values())
-    lines += ["", f"Same rollouts on both sides: RM scores per update differ by at most {worst:.1e} (first runs)."]
+        lines.append(f"| {s['rollouts']} | {s['response_len']} | " + " | ".join(cell(s[o]) for o in ours)
+                     + f" | {cell(s['trl'])} | "
+                     + " | ".join(f"{s[o]['s_per_update'] / s['trl']['s_per_update']:.2f}" for o in ours) + " |")
+    checks = [s["same_rollouts_check"]["max_abs_diff"] for s in results.values() if "same_rollouts_check" in s]
+    if checks:
+        lines += ["", f"Same rollouts on both sides (ours fp32, TRL): RM scores per update differ by at most "
+                  f"{max(checks):.1e} (first runs)."]
     return results, runs, lines
 
 
@@ -265,12 +335,24 @@ def main(argv=None):
     ap.add_argument("--max_reruns", type=int, default=2, help="extra tries for a contaminated run")
     ap.add_argument("--quiet_wait_s", type=float, default=120,
                     help="before each run, wait up to this long for the machine to be quiet")
+    ap.add_argument("--precisions", default="fp32,bf16",
+                    help="comma-separated precisions of our side, each one side (ours_fp32, ours_bf16) alternated "
+                         "with TRL; bf16 needs ppo.Args.mixed_precision (issue 13)")
     ap.add_argument("--trl_malloc", action="store_true",
-                    help="also run TRL with glibc's malloc set as ppo.py sets it on the CPU (a third side)")
+                    help="also run TRL with glibc's malloc set as ppo.py sets it on the CPU (one more side)")
+    ap.add_argument("--peak_json", default=str(BENCH_DIR / "results" / "peak_flops_cpu.json"),
+                    help="peak_flops.py's result for this machine; measured first if missing or taken with another "
+                         "--threads")
     ap.add_argument("--model_cache", default=os.path.join(tempfile.gettempdir(), "ppo_bench_models"))
     ap.add_argument("--out", default=None, help="results JSON (default benchmarks/results/<model>[_scaling].json)")
     args = ap.parse_args(argv)
     args.updates = args.updates or DEFAULT_UPDATES[args.model]
+    args.precisions = [p.strip() for p in args.precisions.split(",") if p.strip()]
+    if not args.precisions or set(args.precisions) - set(ours_ppo.PRECISIONS):
+        ap.error(f"--precisions: a comma-separated list of {sorted(ours_ppo.PRECISIONS)}")
+    if "bf16" in args.precisions and not ours_ppo.ppo_has_mixed_precision():
+        ap.error("--precisions bf16: this ppo.py's Args has no `mixed_precision` field yet (issue 13 adds it), so our "
+                 "side can only run in fp32; pass --precisions fp32 until it lands.")
     if args.updates < 2:
         ap.error("--updates must be at least 2 (the first update is left out)")
     out = Path(args.out or BENCH_DIR / "results" / f"{args.model}{'_scaling' if args.scaling else ''}.json")
@@ -278,9 +360,10 @@ def main(argv=None):
     print(f"[bench] {'scaling' if args.scaling else 'main'} table, model {args.model}, {args.runs} runs x "
           f"{args.updates} updates per side; child logs and JSON in {logs}", flush=True)
     ours_ppo.ensure_models(args.model_cache, args.model, args.seed)  # build once, outside every measured child
+    peak = load_peak(args)
 
     t0 = time.time()
-    summary_, runs, lines = (scaling_table if args.scaling else main_table)(args, logs)
+    summary_, runs, lines = (scaling_table if args.scaling else main_table)(args, logs, peak)
     contaminated = sum(r["contaminated"] for r in runs)
     lines += ["", f"{len(runs)} child runs, {contaminated} contaminated (other processes > {args.busy_limit} cores); "
               "* = a contaminated run had to be used. Values: median over runs (min–max of the run medians)."]
@@ -300,6 +383,7 @@ def main(argv=None):
             "query_len", "temperature", "ppo_epochs", "num_minibatches", "kl_coef", "lr", "stopping_rule")},
         "host": {"cpu_count": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version()},
         "versions": trl_json.get("versions"),
+        "peak_flops": peak,
         "summary": summary_,
         "table_md": table,
         "runs": runs,

@@ -12,7 +12,9 @@ Same workload as `trl_ppo.py` (its defaults):
     32-token prompts are decoded back to text into `train.jsonl` (+ 2 held-out ones in `test.jsonl` for ppo.py's
     start/end evaluation); the JSON records how many re-tokenize to exactly the same ids (all of them, so far).
   * 16 rollouts, query 32, response 24, temperature 0.7, 4 epochs x 2 minibatches x 1 microbatch, kl_coef 0.05,
-    lr 3e-6, fp32, one `generate` call and one forward chunk of all rollouts per update.
+    lr 3e-6, one `generate` call and one forward chunk of all rollouts per update.
+  * precision: `--precision fp32` (default) or `bf16`, passed as ppo.Args(mixed_precision="no" / "bf16"); bf16
+    needs a ppo.py whose Args has that field and is refused with a clear error otherwise (`precision_kwargs`).
   * stopping rule: exactly 24 tokens, no early stop (`stop_token="none"`, `missing_eos_penalty=None`).
   * prompt order: update k answers prompts 16(k-1) .. 16k-1 in file order, as TRL's sequential loader does (the
     benchmark replaces ppo.prompt_indices, ppo.py's seeded permutation; `--ppo_prompt_order` keeps it). Either way
@@ -33,6 +35,7 @@ response tokens, then log_softmax and the sampled token's entry; value head on t
 Median over `--floor_reps` repetitions after one warm-up.
 
 Run:  python benchmarks/ours_ppo.py --model tiny --updates 4
+      python benchmarks/ours_ppo.py --model tiny --updates 4 --precision bf16
       python benchmarks/ours_ppo.py --model tiny --floor
 """
 
@@ -56,6 +59,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 BENCH_DIR = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH_DIR.parent))  # ppo.py
 sys.path.insert(0, str(BENCH_DIR))  # trl_ppo.py: the shared workload (models, prompts, constants)
+import flops  # noqa: E402  (stdlib only)
 import trl_ppo  # noqa: E402  (stdlib-only at import time)
 
 QUERY_LEN, TEMPERATURE, PPO_EPOCHS, NUM_MINIBATCHES, KL_COEF = (
@@ -150,6 +154,80 @@ def write_prompts(tokenizer, n, folder):
 # ---------------------------------------------------------------------------------------------------------------
 # The benchmark: ppo.main() with timing stamps
 # ---------------------------------------------------------------------------------------------------------------
+PRECISIONS = {"fp32": "no", "bf16": "bf16"}  # --precision -> ppo.Args.mixed_precision (accelerate's names)
+
+
+def ppo_has_mixed_precision():
+    """Whether ppo.py's `Args` has the `mixed_precision` field, read from its source (for drivers that import no
+    torch: bench.py, gpu_bench.py's parent); `precision_kwargs` checks the real class."""
+    import ast
+
+    tree = ast.parse((BENCH_DIR.parent / "ppo.py").read_text())
+    args = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Args")
+    return any(isinstance(n, ast.AnnAssign) and getattr(n.target, "id", "") == "mixed_precision" for n in args.body)
+
+
+def precision_kwargs(ppo, precision):
+    """The `ppo.Args` keyword that selects `precision` ("fp32" or "bf16").
+
+    ppo.py's `Args.mixed_precision` (passed to `Accelerator(mixed_precision=...)`; "auto" = bf16 where the hardware
+    has it) is the switch. It is always passed explicitly, "no" for fp32 too: with "auto" this CPU (AVX512-BF16/AMX)
+    would run bf16 by default. A ppo.py without the field runs in fp32 only, so fp32 needs no keyword there and
+    bf16 is refused with a message saying why, instead of silently timing an fp32 run under a bf16 label."""
+    import dataclasses
+
+    if "mixed_precision" in {f.name for f in dataclasses.fields(ppo.Args)}:
+        return {"mixed_precision": PRECISIONS[precision]}
+    if precision == "fp32":
+        return {}
+    raise SystemExit(f"--precision {precision}: this ppo.py's Args has no `mixed_precision` field (issue 13 adds it: "
+                     "Accelerator(mixed_precision=...)), so it can only run in fp32. Use --precision fp32, or update "
+                     "ppo.py.")
+
+
+def timed_main(ppo, ppo_args, file_order=True):
+    """Run `ppo.main(ppo_args)` with timing stamps at each update's boundaries. Returns (ppo.main's output, marks,
+    main's total seconds); marks: "start"/"cpu"/"rss" lists (one per update: wall clock, process CPU seconds, peak
+    RSS MiB at the update's first line) and "end" (the same triple when the final evaluation starts).
+
+    The stamps are taken in wrappers of `ppo.prompt_indices` (the first call of every update) and `ppo.evaluate`
+    (the final evaluation closes the last update); on a GPU each stamp first waits for the queued kernels
+    (torch.cuda.synchronize), so an update's time holds all of its GPU work. `file_order`: update k answers prompts
+    B(k-1) .. Bk-1 in file order (TRL's sequential loader) instead of ppo.py's seeded permutation."""
+    import torch
+
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+    marks = {"start": [], "cpu": [], "rss": [], "end": None}
+
+    def stamp():
+        sync()
+        return time.perf_counter(), cpu_s(), rss_mb()
+
+    ppo_prompt_indices, ppo_evaluate = ppo.prompt_indices, ppo.evaluate
+
+    def prompt_indices(update, num_prompts, batch_size, seed, process_index, num_processes):
+        t, c, r = stamp()
+        marks["start"].append(t), marks["cpu"].append(c), marks["rss"].append(r)
+        if not file_order:
+            return ppo_prompt_indices(update, num_prompts, batch_size, seed, process_index, num_processes)
+        return torch.arange((update - 1) * batch_size, update * batch_size)  # file order, like TRL's loader
+
+    def evaluate(*a, **k):
+        if marks["start"] and marks["end"] is None:  # the final evaluation closes the last update
+            marks["end"] = stamp()
+        return ppo_evaluate(*a, **k)
+
+    ppo.prompt_indices, ppo.evaluate = prompt_indices, evaluate
+    try:
+        t0 = time.perf_counter()
+        out = ppo.main(ppo_args)
+        main_total_s = time.perf_counter() - t0
+    finally:
+        ppo.prompt_indices, ppo.evaluate = ppo_prompt_indices, ppo_evaluate
+    marks["t0"] = t0
+    return out, marks, main_total_s
+
+
 def run_ppo(args, folder, model_info, work):
     import torch
 
@@ -160,23 +238,6 @@ def run_ppo(args, folder, model_info, work):
     n_prompts = args.rollouts * args.updates
     _, prompt_stats = write_prompts(tokenizer, n_prompts, work / "prompts")
 
-    marks = {"start": [], "cpu": [], "rss": [], "end": None}
-    stamp = lambda: (time.perf_counter(), cpu_s(), rss_mb())  # noqa: E731
-    ppo_prompt_indices, ppo_evaluate = ppo.prompt_indices, ppo.evaluate
-
-    def prompt_indices(update, num_prompts, batch_size, seed, process_index, num_processes):
-        t, c, r = stamp()
-        marks["start"].append(t), marks["cpu"].append(c), marks["rss"].append(r)
-        if args.ppo_prompt_order:
-            return ppo_prompt_indices(update, num_prompts, batch_size, seed, process_index, num_processes)
-        return torch.arange((update - 1) * batch_size, update * batch_size)  # file order, like TRL's loader
-
-    def evaluate(*a, **k):
-        if marks["start"] and marks["end"] is None:  # the final evaluation closes the last update
-            marks["end"] = stamp()
-        return ppo_evaluate(*a, **k)
-
-    ppo.prompt_indices, ppo.evaluate = prompt_indices, evaluate
     ppo_args = ppo.Args(
         sft_model_path=str(folder / "policy"), reward_model_path=str(folder / "reward"),
         dataset_name=str(work / "prompts"), output_dir=str(work / "ppo"), log_dir=str(work / "tb"), run_name="bench",
@@ -185,10 +246,9 @@ def run_ppo(args, folder, model_info, work):
         total_episodes=n_prompts, batch_size=args.rollouts, num_mini_batches=NUM_MINIBATCHES,
         gradient_accumulation_steps=1, ppo_epochs=PPO_EPOCHS, learning_rate=args.lr, kl_coef=KL_COEF,
         local_rollout_forward_batch_size=args.rollouts,
-        eval_every=10**9, eval_prompts=EVAL_PROMPTS, num_sample_generations=0, seed=args.seed)
-    t0 = time.perf_counter()
-    out = ppo.main(ppo_args)
-    main_total_s = time.perf_counter() - t0
+        eval_every=10**9, eval_prompts=EVAL_PROMPTS, num_sample_generations=0, seed=args.seed,
+        **precision_kwargs(ppo, args.precision))
+    out, marks, main_total_s = timed_main(ppo, ppo_args, file_order=not args.ppo_prompt_order)
 
     history = out["history"]
     ends = marks["start"][1:] + [marks["end"][0]]
@@ -210,7 +270,8 @@ def run_ppo(args, folder, model_info, work):
     import transformers
 
     settings = {k: v for k, v in vars(ppo_args).items() if isinstance(v, (int, float, str, bool, type(None)))}
-    settings.update({"torch_threads": torch.get_num_threads(), "device": "cpu", "optimizer": "torch.optim.AdamW "
+    settings.update({"torch_threads": torch.get_num_threads(), "precision": args.precision,
+                     "device": "cuda" if torch.cuda.is_available() else "cpu", "optimizer": "torch.optim.AdamW "
                      "(fused, eps 1e-5, weight_decay 0), grad-norm clip 1.0",
                      "prompt_order": "ppo.py's seeded permutation" if args.ppo_prompt_order else
                      "file order, sequential (ppo.prompt_indices replaced)",
@@ -226,7 +287,7 @@ def run_ppo(args, folder, model_info, work):
         "timing_method": ("wall_s = perf_counter from ppo.prompt_indices of an update to that of the next (last: the "
                           "final ppo.evaluate): the whole loop body incl. metrics and logging; excludes loading, the "
                           "start/end evaluation and saving. phases from ppo.py's time/* metrics"),
-        "setup_s": round(marks["start"][0] - t0, 3),
+        "setup_s": round(marks["start"][0] - marks["t0"], 3),
         "main_total_s": round(main_total_s, 3),
         "host": {"cpu_count": os.cpu_count(), "loadavg_after": [round(x, 2) for x in os.getloadavg()]},
         "peak_rss_mb_after_setup": round(marks["rss"][0], 1),
@@ -239,6 +300,9 @@ def run_ppo(args, folder, model_info, work):
         "median_cpu_s": round(statistics.median(u["cpu_s"] for u in per_update), 3),
         "median_phases_s": {n: round(statistics.median(u["phases_s"][n] for u in per_update[1:] or per_update), 4)
                             for n in per_update[0]["phases_s"]},
+        # Matrix-product FLOPs of one update by phase (flops.py has the formula); bench.py divides them by the phase
+        # times and by peak_flops.py's peak.
+        "flops": flops.ppo_update(model_info["config"], args.rollouts, QUERY_LEN, args.response_len, PPO_EPOCHS),
     }
 
 
@@ -301,14 +365,19 @@ def run_floor(args, folder, model_info):
         return {"generate": t["generate"] - t["start"], "forwards": t["forwards"] - t["generate"],
                 "train": t["train"] - t["forwards"], "total": t["train"] - t["start"]}
 
+    # bf16: every model call (generate, forwards, training forward; backward follows the forward's dtypes) under
+    # autocast, fp32 weights and optimizer: what mixed precision can at best give ppo.py on this hardware.
+    autocast = torch.autocast(device_type="cpu", dtype=torch.bfloat16, enabled=args.precision == "bf16")
     torch.manual_seed(args.seed)
-    one_update()  # warm-up
-    reps = [one_update() for _ in range(args.floor_reps)]
+    with autocast:
+        one_update()  # warm-up
+        reps = [one_update() for _ in range(args.floor_reps)]
     median = {k: round(statistics.median(r[k] for r in reps), 4) for k in reps[0]}
     return {
         "framework": "floor",
         "model": model_info,
         "settings": {"rollouts_per_update": B, "query_len": Q, "response_len": T, "ppo_epochs": PPO_EPOCHS,
+                     "precision": args.precision,
                      "num_minibatches": NUM_MINIBATCHES, "torch_threads": torch.get_num_threads(),
                      "reps": args.floor_reps, "optimizer": "torch.optim.AdamW(fused=True)", "seed": args.seed,
                      "cpu_allocator_tuned": allocator_tuned},
@@ -320,6 +389,7 @@ def run_floor(args, folder, model_info):
         "median_s": median,
         "floor_s": median["total"],
         "peak_rss_mb": round(rss_mb(), 1),
+        "flops": flops.ppo_update(model_info["config"], B, Q, T, PPO_EPOCHS),
     }
 
 
@@ -336,6 +406,10 @@ def main(argv=None):
                     help="keep ppo.py's seeded prompt permutation instead of file order")
     ap.add_argument("--model_cache", default=os.path.join(tempfile.gettempdir(), "ppo_bench_models"),
                     help="where the saved models live (built once per model and seed)")
+    ap.add_argument("--precision", choices=sorted(PRECISIONS), default="fp32",
+                    help="fp32: ppo.Args(mixed_precision='no'); bf16: mixed_precision='bf16' (accelerate's autocast, "
+                         "fp32 weights and optimizer). Needs ppo.Args.mixed_precision for bf16; the floor runs its "
+                         "model calls under torch.autocast(bfloat16) for bf16")
     ap.add_argument("--floor", action="store_true", help="time the bare model calls of one update instead")
     ap.add_argument("--floor_reps", type=int, default=3, help="floor repetitions (after one warm-up)")
     ap.add_argument("--prepare", action="store_true", help="only build and save the models (run by ensure_models)")

@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# ppo.py on one GPU in bf16, no network: SmolLM2-sized and ~1B random-initialised Llama models, s/update, tokens/s,
+# phase times, MFU (issue 13). At most 8 minutes in all (GPU_BENCH_BUDGET_S for the sizes, plus start-up).
+#
+# Run from the repository root:
+#   bash benchmarks/gpu.sh                         # GPU: sizes smollm2,1b -> $OUT (or benchmarks/results/gpu)
+#   GPU_BENCH_SIZES=tiny bash benchmarks/gpu.sh    # CPU smoke test, 1-2 minutes
+# Environment (all optional):
+#   GPU_BENCH_SIZES      comma-separated sizes of gpu_bench.py (tiny, smollm2, 1b); default smollm2,1b
+#   GPU_BENCH_BUDGET_S   seconds for all sizes together (a size still running then is stopped); default 420
+#   GPU_BENCH_PRECISION  bf16 (default) or fp32
+#   GPU_BENCH_ARGS       more gpu_bench.py flags, e.g. "--rollouts 128 --updates 4"
+#   WHEELS               folder of wheels from benchmarks/fetch_wheels.sh; default .whl
+#   OUT                  where the JSON, markdown table and logs go (the device tool's $OUT); default
+#                        benchmarks/results/gpu
+# The GPU machine lacks tyro and datasets (ppo.py imports both): when either is missing they are installed from
+# $WHEELS into /tmp/site (pip --no-index --no-deps: nothing is fetched, nothing already there is touched).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out="${OUT:-benchmarks/results/gpu}"
+wheels="${WHEELS:-.whl}"
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+if ! python3 -c "import tyro, datasets" 2>/dev/null; then
+  if ! ls "$wheels"/*.whl >/dev/null 2>&1; then
+    echo "gpu.sh: tyro or datasets is missing and there are no wheels in $wheels; run benchmarks/fetch_wheels.sh" \
+         "on a machine with network and carry the folder" >&2
+    exit 2
+  fi
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+    "$wheels"/*.whl || exit 2
+  export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
+  python3 -c "import tyro, datasets; print('gpu.sh: tyro', tyro.__version__, 'and datasets', datasets.__version__, \
+'from $wheels')" || exit 2
+fi
+nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv,noheader 2>/dev/null \
+  || echo "gpu.sh: nvidia-smi not found / no GPU: the benchmark runs on the CPU"
+# 480 s = 8 minutes hard stop for everything; the driver itself stops sizes at GPU_BENCH_BUDGET_S.
+# shellcheck disable=SC2086
+timeout 480 python3 benchmarks/gpu_bench.py --out_dir "$out" --sizes "${GPU_BENCH_SIZES:-smollm2,1b}" \
+  --budget_s "${GPU_BENCH_BUDGET_S:-420}" --precision "${GPU_BENCH_PRECISION:-bf16}" ${GPU_BENCH_ARGS:-}
