@@ -233,7 +233,7 @@ def run_ppo(args, folder, model_info, work):
 
     import ppo
 
-    allocator_tuned = ppo.tune_cpu_allocator()  # as ppo.main does on the CPU, so the floor runs on the same malloc
+    ppo.tune_cpu_allocator()  # as ppo.main does on the CPU (the floor, too, runs on the same malloc)
     tokenizer = ppo.load_tokenizer(str(folder / "policy"))
     n_prompts = args.rollouts * args.updates
     _, prompt_stats = write_prompts(tokenizer, n_prompts, work / "prompts")
