@@ -60,7 +60,8 @@ import torch.nn.functional as F
 import tyro
 from accelerate import Accelerator, PartialState
 from accelerate.logging import get_logger
-from accelerate.utils import InitProcessGroupKwargs, broadcast_object_list, gather_object, set_seed
+from accelerate.utils import (DistributedType, InitProcessGroupKwargs, broadcast_object_list, gather_object,
+                               set_seed)
 from safetensors import SafetensorError
 from tqdm.auto import tqdm
 from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer,
@@ -1024,8 +1025,15 @@ def main(args: Args):
     table_rows = [held_out[i] for i in range(0, len(held_out), world)][: args.num_table_examples]
 
     def log_eval(step):
-        metrics, local_scores = evaluate_pairs(accelerator, model, eval_pairs, args.per_device_train_batch_size,
-                                               tokenizer.pad_token_id)
+        # FSDP (version 1) gathers the weights of no wrapped submodule (embeddings, final norm, score head: the root
+        # unit) only in the wrapper's own forward: they are gathered for the plain model's evaluation (each decoder
+        # layer gathers its own, a collective: every process evaluates as many batches).
+        from torch.distributed.fsdp import FullyShardedDataParallel
+
+        with (FullyShardedDataParallel.summon_full_params(reward_model, recurse=False, writeback=False)
+              if accelerator.distributed_type == DistributedType.FSDP else contextlib.nullcontext()):
+            metrics, local_scores = evaluate_pairs(accelerator, model, eval_pairs, args.per_device_train_batch_size,
+                                                   tokenizer.pad_token_id)
         accelerator.log(metrics, step=step)
         logger.info(f"step {step}: eval accuracy {metrics['eval/accuracy']:.3f}, loss {metrics['eval/loss']:.4f}",
                     main_process_only=True)

@@ -48,7 +48,8 @@ import torch.nn.functional as F
 import tyro
 from accelerate import Accelerator, PartialState
 from accelerate.logging import get_logger
-from accelerate.utils import InitProcessGroupKwargs, broadcast_object_list, gather_object, set_seed
+from accelerate.utils import (DistributedType, InitProcessGroupKwargs, broadcast_object_list, gather_object,
+                               set_seed)
 from safetensors import SafetensorError
 from tqdm.auto import tqdm
 from transformers import (AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig, PretrainedConfig,
@@ -869,7 +870,7 @@ def generate_samples(model, tokenizer, prompts, max_prompt_length, max_length, s
     a completion within `max_length`. Greedy and nothing else (`generate_with`): the samples show what the model
     itself predicts, not what the checkpoint's repetition penalty or length settings make of it.
 
-    `synced_gpus` (ZeRO-3): every generation step gathers the partitioned weights, a collective, so every process
+    `synced_gpus` (ZeRO-3, FSDP): every generation step gathers the sharded weights, a collective, so every process
     must call this with the same prompts, and one that has finished keeps stepping until all have."""
     ids = [tokenizer(prompt, add_special_tokens=False)["input_ids"][-max_prompt_length:] for prompt in prompts]
     tokenizer.padding_side = "left"
@@ -957,17 +958,25 @@ def main(args: Args):
     writer = accelerator.get_tracker("tensorboard").tracker if accelerator.is_main_process else None
     prompts = list(held_out["prompt"][: args.num_sample_generations])
     plugin = accelerator.state.deepspeed_plugin
-    sharded = plugin is not None and plugin.zero_stage == 3
+    fsdp = accelerator.distributed_type == DistributedType.FSDP
+    sharded = (plugin is not None and plugin.zero_stage == 3) or fsdp
 
     def log_eval(step):
         eval_loss = evaluate_sft(accelerator, model, eval_loader)
         accelerator.log({"eval/loss": eval_loss}, step=step)
         logger.info(f"step {step}: eval loss {eval_loss:.4f}", main_process_only=True)
-        # Under ZeRO-3 each generation step gathers the partitioned weights (a collective): every process generates,
-        # in step, and only the main process writes. Otherwise the main process alone generates.
+        # Under ZeRO-3 and FSDP each generation step gathers the sharded weights (a collective): every process
+        # generates, in step, and only the main process writes. Otherwise the main process alone generates. FSDP
+        # (version 1) gathers the weights of no wrapped submodule (embeddings, final norm, head: the root unit) only in
+        # the wrapper's own forward, which generate does not call: they are gathered for the call (each decoder layer
+        # gathers its own).
         if prompts and (writer is not None or sharded):
-            samples = generate_samples(accelerator.unwrap_model(model), tokenizer, prompts, args.max_prompt_length,
-                                       args.max_length, synced_gpus=sharded)
+            from torch.distributed.fsdp import FullyShardedDataParallel
+
+            with (FullyShardedDataParallel.summon_full_params(model, recurse=False, writeback=False) if fsdp
+                  else contextlib.nullcontext()):
+                samples = generate_samples(accelerator.unwrap_model(model), tokenizer, prompts,
+                                           args.max_prompt_length, args.max_length, synced_gpus=sharded)
         if writer is not None and prompts:
             table = "| prompt | completion |\n|---|---|\n" + "\n".join(
                 f"| {p} | {c} |".replace("\n", " ") for p, c in zip(prompts, samples))
