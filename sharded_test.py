@@ -18,6 +18,7 @@ About a minute per test on 2 busy CPU cores, most of it process start-up.
 """
 
 import importlib.util
+import json
 import os
 import signal
 import subprocess
@@ -34,13 +35,16 @@ from utils_test import tiny_model_dir  # noqa: F401  (pytest fixture)
 HERE = os.path.dirname(os.path.abspath(__file__))
 TIMEOUT = 300
 ATOL = 1e-5
+FSDP_ATOL = 1e-6  # FSDP steps the same per-parameter AdamW on the local shards: only reduction order differs
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="deepspeed is not installed")
+needs_deepspeed = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None,
+                                     reason="deepspeed is not installed")
 
 
-def launch_two(config, args, run_name):
+def launch_two(config, args, run_name, env_extra=None):
     """`accelerate launch` of `args` on 2 CPU processes: DDP (gloo) when `config` is None, else under
-    `configs/<config>.yaml`. Returns the combined output; fails the test on a non-zero exit."""
+    `configs/<config>.yaml`, with the variables `env_extra` added. Returns the combined output; fails the test on a
+    non-zero exit."""
     port = str(29500 + os.getpid() % 1000)
     launcher = [sys.executable, "-m", "accelerate.commands.launch", "--num_machines", "1", "--mixed_precision", "no",
                 "--dynamo_backend", "no", "--num_processes", "2", "--num_cpu_threads_per_process", "1",
@@ -52,6 +56,7 @@ def launch_two(config, args, run_name):
         env["ACCELERATE_USE_CPU"] = "true"
     else:
         launcher += ["--config_file", os.path.join("configs", f"{config}.yaml")]
+    env.update(env_extra or {})
     # args[1:]: accelerate starts the script itself.
     proc = subprocess.Popen(launcher + args[1:], cwd=HERE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, env=env, start_new_session=True)
@@ -71,32 +76,34 @@ def launch_two(config, args, run_name):
     return output
 
 
-def assert_same_saved_weights(dir_a, dir_b):
-    """`dir_b` holds the weights of `dir_a`, within ATOL. DeepSpeed's state dict clones every tensor for saving
+def assert_same_saved_weights(dir_a, dir_b, atol=ATOL):
+    """`dir_b` holds the weights of `dir_a`, within `atol`. DeepSpeed's state dict clones every tensor for saving
     (accelerate's `clone_tensors_for_torch_save`), which unties the tied output embedding: `save_pretrained` then
-    writes `lm_head.weight` as well, a copy of `model.embed_tokens.weight` that `from_pretrained` ties again."""
+    writes `lm_head.weight` as well, a copy of `model.embed_tokens.weight` that `from_pretrained` ties again (FSDP's
+    full state dict names the tied weight under both keys too)."""
     a = load_file(os.path.join(dir_a, "model.safetensors"))
     b = load_file(os.path.join(dir_b, "model.safetensors"))
     if "lm_head.weight" in b.keys() - a.keys():
         assert torch.equal(b.pop("lm_head.weight"), b["model.embed_tokens.weight"])
     assert a.keys() == b.keys()
     for key in a:
-        torch.testing.assert_close(b[key], a[key], atol=ATOL, rtol=0, msg=f"{key} differs")
+        torch.testing.assert_close(b[key], a[key], atol=atol, rtol=0, msg=f"{key} differs")
 
 
-def assert_same_scalars(log_dir, want_run, got_run, steps):
-    """Every scalar of `want_run` at `steps` is logged by `got_run` too, within ATOL."""
+def assert_same_scalars(log_dir, want_run, got_run, steps, atol=ATOL):
+    """Every scalar of `want_run` at `steps` is logged by `got_run` too, within `atol` (absolute or relative)."""
     want, got = scalars(log_dir, want_run, steps), scalars(log_dir, got_run, steps)
     assert want.keys() == got.keys()
     compared = 0
     for tag, values in want.items():
         assert values.keys() == got[tag].keys(), tag
         for step, value in values.items():
-            assert got[tag][step] == pytest.approx(value, abs=ATOL, rel=ATOL), f"{tag} at step {step}"
+            assert got[tag][step] == pytest.approx(value, abs=atol, rel=atol), f"{tag} at step {step}"
             compared += 1
     return compared
 
 
+@needs_deepspeed
 @pytest.mark.parametrize("stage", ["sft", "reward", "ppo"])
 def test_zero2_equals_ddp(stage, tiny_model_dir, tiny_rm_dir, tmp_path):  # noqa: F811
     """ZeRO-2 (optimizer states and gradients sharded) takes the same steps as DDP: sft.py, reward.py and ppo.py,
@@ -117,6 +124,7 @@ def test_zero2_equals_ddp(stage, tiny_model_dir, tiny_rm_dir, tmp_path):  # noqa
     assert any(not torch.equal(trained[k], initial[k]) for k in trained.keys() & initial.keys())  # it trained
 
 
+@needs_deepspeed
 @pytest.mark.parametrize("config", ["deepspeed_zero2", "deepspeed_zero3"])
 def test_ppo_multinode_equals_ddp(config, tiny, tmp_path):  # noqa: F811
     """ppo_multinode.py under ZeRO-2 and ZeRO-3 takes the same 2 updates as under DDP on 2 processes. Under ZeRO-3
@@ -144,6 +152,7 @@ def test_ppo_multinode_equals_ddp(config, tiny, tmp_path):  # noqa: F811
     AutoModelForSequenceClassification.from_pretrained(tmp_path / "sharded" / "model" / "value_model")
 
 
+@needs_deepspeed
 @pytest.mark.parametrize("stage", ["sft", "reward"])
 def test_zero3_equals_ddp(stage, tiny_model_dir, tiny_rm_dir, tmp_path):  # noqa: F811
     """ZeRO-3 (parameters partitioned too) takes the same steps as DDP: sft.py (which generates its tensorboard
@@ -159,6 +168,7 @@ def test_zero3_equals_ddp(stage, tiny_model_dir, tiny_rm_dir, tmp_path):  # noqa
     model_class.from_pretrained(tmp_path / "zero3")
 
 
+@needs_deepspeed
 def test_zero3_resume_equals_uninterrupted(tiny_model_dir, tmp_path):  # noqa: F811
     """Under ZeRO-3 a checkpoint holds partitioned parameters and optimizer states (accelerate's save_state hands it
     to DeepSpeed): resuming from the step-3 checkpoint of a 6-step run must end where that run ended."""
@@ -173,3 +183,150 @@ def test_zero3_resume_equals_uninterrupted(tiny_model_dir, tmp_path):  # noqa: F
     launch_two("deepspeed_zero3", cmd, "resumed")
     assert_same_saved_weights(straight, resumed)
     assert assert_same_scalars(str(tmp_path / "tb"), "straight", "resumed", {4, 5, 6}) >= 3
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# FSDP on the CPU, through accelerate: a driver that adapts accelerate's device checks in the test's processes only
+# ---------------------------------------------------------------------------------------------------------------
+FSDP_ON_CPU = '''"""Test-only driver (written by sharded_test.py): under
+    ACCELERATE_USE_CPU=true accelerate launch --config_file configs/fsdp.yaml --num_processes 2 fsdp_on_cpu.py \\
+        SCRIPT.py ARGS...
+it runs SCRIPT's `main` exactly as its `__main__` does (`run_as_command(main, tyro.cli(Args))`), but with accelerate's
+FSDP set-up on CPU processes (gloo). accelerate 1.15 does not do that by itself, for two reasons, both adapted here,
+in this process only (the scripts are unchanged):
+  (1) `fsdp_sync_module_states: true` (rank 0's weights broadcast at wrap time) makes accelerate look for an
+      accelerator device, and PyTorch FSDP refuses it for CPU tensors: it is set to false. Every process loads the
+      same files, so the weights agree without the broadcast.
+  (2) On a machine without an accelerator accelerate keeps DDP (MULTI_CPU) even when given an FSDP plugin: the
+      accelerator's state is switched to FSDP with that plugin, as accelerate does on GPUs (the gloo process group
+      stays).
+  (3) accelerate names the device of a CPU process `cpu:0` (`cpu:<local rank % 1>`) and hands it to FSDP as
+      `device_id`; FSDP compares it with the parameters' device, `cpu`, and stops: the device is named `cpu`.
+  (4) accelerate gathers full state dicts with `offload_to_cpu=True`, a copy from the accelerator to the CPU. For
+      parameters already on the CPU PyTorch FSDP's `FlatParamHandle.to_cpu` "moves" the gathered parameter onto
+      itself and then frees it, and the state dict reads freed memory (a segmentation fault): there it does nothing.
+To show that the model really is sharded, every `Accelerator.prepare` records, per process, the type of each prepared
+model and its local and whole parameter counts in $FSDP_REPORT_DIR/rank<r>.json.
+"""
+import contextlib
+import importlib.util
+import json
+import os
+import sys
+
+import torch
+import tyro
+from accelerate import Accelerator
+from accelerate.state import AcceleratorState, PartialState
+from accelerate.utils import DistributedType
+from torch.distributed.fsdp import FullyShardedDataParallel
+from torch.distributed.fsdp._flat_param import FlatParamHandle
+
+os.environ["FSDP_SYNC_MODULE_STATES"] = "false"  # (1)
+original_init = AcceleratorState.__init__
+
+
+def init(self, *args, **kwargs):  # (2)
+    original_init(self, *args, **kwargs)
+    plugin = kwargs.get("fsdp_plugin")
+    if plugin is not None and self.distributed_type == DistributedType.MULTI_CPU:
+        self.distributed_type = DistributedType.FSDP
+        self.fsdp_plugin = plugin
+        PartialState._shared_state["distributed_type"] = DistributedType.FSDP  # as accelerate ends its own set-up
+        self.device = PartialState._shared_state["device"] = torch.device("cpu")  # (3)
+
+
+original_to_cpu = FlatParamHandle.to_cpu
+
+
+@contextlib.contextmanager
+def to_cpu(self):  # (4)
+    if self.flat_param.device.type == "cpu":
+        yield
+    else:
+        with original_to_cpu(self):
+            yield
+
+
+original_prepare = Accelerator.prepare
+report = []
+
+
+def prepare(self, *objects, **kwargs):
+    whole = [sum(p.numel() for p in o.parameters()) if isinstance(o, torch.nn.Module) else None for o in objects]
+    prepared = original_prepare(self, *objects, **kwargs)
+    for o, n in zip(prepared if isinstance(prepared, tuple) else (prepared,), whole):
+        if n is not None:
+            report.append({"fsdp": isinstance(o, FullyShardedDataParallel), "whole": n,
+                           "local": sum(p.numel() for p in o.parameters()),
+                           "distributed_type": self.distributed_type.name, "processes": self.num_processes})
+    with open(os.path.join(os.environ["FSDP_REPORT_DIR"], f"rank{self.process_index}.json"), "w") as f:
+        json.dump(report, f)
+    return prepared
+
+
+AcceleratorState.__init__ = init
+FlatParamHandle.to_cpu = to_cpu
+Accelerator.prepare = prepare
+script, sys.argv = sys.argv[1], sys.argv[1:]
+spec = importlib.util.spec_from_file_location(os.path.basename(script).removesuffix(".py"), script)
+module = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(module)
+module.run_as_command(module.main, tyro.cli(module.Args))
+'''
+
+
+def launch_fsdp(args, run_name, tmp_path):
+    """`launch_two` under configs/fsdp.yaml, through the FSDP_ON_CPU driver (see its docstring for the four
+    adaptations of accelerate and PyTorch, in the test's processes only). Checks that every model `prepare` returned on each of
+    the 2 processes is FSDP-wrapped and holds about half of its parameters (the other half lives on the other
+    process)."""
+    driver = tmp_path / "fsdp_on_cpu.py"
+    driver.write_text(FSDP_ON_CPU)
+    report_dir = tmp_path / f"fsdp_report_{run_name}"
+    report_dir.mkdir()
+    output = launch_two("fsdp", [args[0], str(driver), *args[1:]], run_name,
+                        {"ACCELERATE_USE_CPU": "true", "FSDP_REPORT_DIR": str(report_dir)})
+    for rank in (0, 1):
+        report = json.loads((report_dir / f"rank{rank}.json").read_text())
+        assert report, f"process {rank} prepared no model"
+        for model in report:
+            assert model["fsdp"] and model["distributed_type"] == "FSDP" and model["processes"] == 2, model
+            # FSDP pads each unit's flattened parameters to a multiple of the process count: a few elements more.
+            assert model["whole"] / 2 <= model["local"] <= model["whole"] / 2 + 64, model
+    return output
+
+
+def test_ppo_multinode_fsdp_equals_ddp(tiny, tmp_path):  # noqa: F811
+    """ppo_multinode.py under configs/fsdp.yaml (FSDP version 1 through accelerate, each decoder layer a unit,
+    really sharded on 2 CPU processes: `launch_fsdp`) takes the same 2 updates as under DDP: the same logged
+    metrics and saved weights, and the saved models load with from_pretrained. Generation runs in step
+    (synced_gpus, inside summon_full_params of the root unit)."""
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    for name in ("ddp", "fsdp"):
+        args = run_args(tiny, tmp_path / name, run_name=name, log_dir=tmp_path / "tb")
+        cmd = ["python", "ppo_multinode.py", *[f"--{k}={v}" for k, v in args.items()]]
+        launch_two(None, cmd, name) if name == "ddp" else launch_fsdp(cmd, name, tmp_path)
+    assert assert_same_scalars(str(tmp_path / "tb"), "ddp", "fsdp", {0, 1, 2}, FSDP_ATOL) >= 12
+    for folder in ("model", "model/value_model"):
+        assert_same_saved_weights(str(tmp_path / "ddp" / folder), str(tmp_path / "fsdp" / folder), FSDP_ATOL)
+    AutoModelForCausalLM.from_pretrained(tmp_path / "fsdp" / "model")
+    AutoModelForSequenceClassification.from_pretrained(tmp_path / "fsdp" / "model" / "value_model")
+
+
+@pytest.mark.parametrize("stage", ["sft", "reward"])
+def test_fsdp_equals_ddp(stage, tiny_model_dir, tmp_path):  # noqa: F811
+    """sft.py and reward.py under configs/fsdp.yaml (really sharded on 2 CPU processes: `launch_fsdp`) take the same
+    6 steps as DDP: the same logged metrics (evaluation included: sft.py generates its samples on every process, in
+    step, and reward.py evaluates the plain model, both with the root unit's weights gathered) and saved weights, and
+    the saved model loads with from_pretrained."""
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    for name in ("ddp", "fsdp"):
+        cmd = stage_command(stage, tiny_model_dir, None, str(tmp_path / name), name)
+        launch_two(None, cmd, name) if name == "ddp" else launch_fsdp(cmd, name, tmp_path)
+    assert assert_same_scalars(str(tmp_path / "tb"), "ddp", "fsdp", set(range(7)), FSDP_ATOL) >= 12
+    assert_same_saved_weights(str(tmp_path / "ddp"), str(tmp_path / "fsdp"), FSDP_ATOL)
+    model_class = AutoModelForSequenceClassification if stage == "reward" else AutoModelForCausalLM
+    model_class.from_pretrained(tmp_path / "fsdp")
