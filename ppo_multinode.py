@@ -1372,9 +1372,19 @@ def sharded_generation_context(accelerator, model):
     nothing is written back. DeepSpeed ZeRO-3 needs nothing here: its hooks gather every submodule's weights when it
     runs (gathering the whole policy once with `deepspeed.zero.GatheredParameters` makes generation faster when a full
     copy fits on each GPU, but correctness does not need it). DDP and ZeRO-1/2 keep whole weights on every process.
-    The FSDP case is tested on the CPU with PyTorch FSDP and gloo (multinode_test.py), the ZeRO-3 case under
-    configs/deepspeed_zero3.yaml on 2 CPU processes (sharded_test.py).
+    FSDP version 2 (`fully_shard`): the same, with the root unit's parameters gathered by `unshard` and freed again
+    by `reshard`. The root must be known as the root first: FSDP2 makes the first unit whose forward runs the root, and
+    here that would be a decoder layer. `_lazy_init` (no public name in torch 2.x) does what the root's first forward
+    does, and nothing once it has run.
+    Tested on 2 CPU processes, FSDP versions 1 and 2 through accelerate, and ZeRO-3 (sharded_test.py), and with
+    PyTorch FSDP directly (multinode_test.py).
     """
+    if accelerator.is_fsdp2:
+        model._get_fsdp_state()._lazy_init()
+        model.unshard()
+        context = contextlib.ExitStack()
+        context.callback(model.reshard)
+        return context
     if accelerator.distributed_type == DistributedType.FSDP:
         from torch.distributed.fsdp import FullyShardedDataParallel
 
@@ -1561,9 +1571,6 @@ def main(args: Args):
     args = derive_sizes(args, accelerator.num_processes)
     if args.reward_fn not in ("model", "positive_words") and ":" not in args.reward_fn:
         raise ValueError(f"--reward_fn {args.reward_fn!r}: use `model`, `positive_words` or `module:function`.")
-    if accelerator.is_fsdp2:
-        raise ValueError("FSDP version 2 is not supported here (see `sharded_generation_context`); use fsdp_version: 1 "
-                         "as in configs/fsdp.yaml.")
     checkpoint_dir = args.checkpoint_dir or args.output_dir.rstrip("/") + "-checkpoints"
     prepare_run_dirs(accelerator, "ppo", args.output_dir, checkpoint_dir, args.log_dir,
                      {"the SFT model (--sft_model_path)": args.sft_model_path,
