@@ -43,8 +43,8 @@ needs_deepspeed = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is No
 
 def launch_two(config, args, run_name, env_extra=None):
     """`accelerate launch` of `args` on 2 CPU processes: DDP (gloo) when `config` is None, else under
-    `configs/<config>.yaml`, with the variables `env_extra` added. Returns the combined output; fails the test on a
-    non-zero exit."""
+    `configs/<config>.yaml` (or the file `config`, a path ending in .yaml), with the variables `env_extra` added.
+    Returns the combined output; fails the test on a non-zero exit."""
     port = str(29500 + os.getpid() % 1000)
     launcher = [sys.executable, "-m", "accelerate.commands.launch", "--num_machines", "1", "--mixed_precision", "no",
                 "--dynamo_backend", "no", "--num_processes", "2", "--num_cpu_threads_per_process", "1",
@@ -55,7 +55,8 @@ def launch_two(config, args, run_name, env_extra=None):
         launcher.append("--multi_gpu")
         env["ACCELERATE_USE_CPU"] = "true"
     else:
-        launcher += ["--config_file", os.path.join("configs", f"{config}.yaml")]
+        config_file = config if config.endswith(".yaml") else os.path.join("configs", f"{config}.yaml")
+        launcher += ["--config_file", config_file]
     env.update(env_extra or {})
     # args[1:]: accelerate starts the script itself.
     proc = subprocess.Popen(launcher + args[1:], cwd=HERE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -219,7 +220,7 @@ import tyro
 from accelerate import Accelerator
 from accelerate.state import AcceleratorState, PartialState
 from accelerate.utils import DistributedType
-from torch.distributed.fsdp import FullyShardedDataParallel
+from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
 from torch.distributed.fsdp._flat_param import FlatParamHandle
 
 os.environ["FSDP_SYNC_MODULE_STATES"] = "false"  # (1)
@@ -255,10 +256,10 @@ report = []
 def prepare(self, *objects, **kwargs):
     whole = [sum(p.numel() for p in o.parameters()) if isinstance(o, torch.nn.Module) else None for o in objects]
     prepared = original_prepare(self, *objects, **kwargs)
-    for o, n in zip(prepared if isinstance(prepared, tuple) else (prepared,), whole):
-        if n is not None:
-            report.append({"fsdp": isinstance(o, FullyShardedDataParallel), "whole": n,
-                           "local": sum(p.numel() for p in o.parameters()),
+    for o, n in zip(prepared if isinstance(prepared, (tuple, list)) else (prepared,), whole):
+        if n is not None:  # version 1 wraps the model, version 2 (fully_shard) turns its parameters into DTensors
+            report.append({"fsdp": isinstance(o, (FullyShardedDataParallel, FSDPModule)), "whole": n,
+                           "local": sum(getattr(p, "to_local", lambda p=p: p)().numel() for p in o.parameters()),
                            "distributed_type": self.distributed_type.name, "processes": self.num_processes})
     with open(os.path.join(os.environ["FSDP_REPORT_DIR"], f"rank{self.process_index}.json"), "w") as f:
         json.dump(report, f)
@@ -276,38 +277,61 @@ module.run_as_command(module.main, tyro.cli(module.Args))
 '''
 
 
-def launch_fsdp(args, run_name, tmp_path):
-    """`launch_two` under configs/fsdp.yaml, through the FSDP_ON_CPU driver (see its docstring for the four
-    adaptations of accelerate and PyTorch, in the test's processes only). Checks that every model `prepare` returned on each of
-    the 2 processes is FSDP-wrapped and holds about half of its parameters (the other half lives on the other
-    process)."""
+def launch_fsdp(args, run_name, tmp_path, config="fsdp"):
+    """`launch_two` under configs/fsdp.yaml (or `config`), through the FSDP_ON_CPU driver (see its docstring for the
+    four adaptations of accelerate and PyTorch, in the test's processes only). Checks that every model `prepare`
+    returned on each of the 2 processes is FSDP-wrapped and holds about half of its parameters, the other half on the
+    other process."""
     driver = tmp_path / "fsdp_on_cpu.py"
     driver.write_text(FSDP_ON_CPU)
     report_dir = tmp_path / f"fsdp_report_{run_name}"
     report_dir.mkdir()
-    output = launch_two("fsdp", [args[0], str(driver), *args[1:]], run_name,
+    output = launch_two(config, [args[0], str(driver), *args[1:]], run_name,
                         {"ACCELERATE_USE_CPU": "true", "FSDP_REPORT_DIR": str(report_dir)})
-    for rank in (0, 1):
-        report = json.loads((report_dir / f"rank{rank}.json").read_text())
-        assert report, f"process {rank} prepared no model"
-        for model in report:
+    reports = [json.loads((report_dir / f"rank{rank}.json").read_text()) for rank in (0, 1)]
+    assert reports[0] and len(reports[0]) == len(reports[1]), reports
+    for models in zip(*reports):
+        for model in models:
             assert model["fsdp"] and model["distributed_type"] == "FSDP" and model["processes"] == 2, model
-            # FSDP pads each unit's flattened parameters to a multiple of the process count: a few elements more.
-            assert model["whole"] / 2 <= model["local"] <= model["whole"] / 2 + 64, model
+            assert model["local"] < 0.55 * model["whole"], model
+        # Between them the processes hold every parameter once: version 1 pads each unit's flattened parameters to
+        # a multiple of the process count (a few elements more), version 2 splits each parameter along its rows.
+        assert models[0]["whole"] <= models[0]["local"] + models[1]["local"] <= models[0]["whole"] + 64, models
     return output
 
 
-def test_ppo_multinode_fsdp_equals_ddp(tiny, tmp_path):  # noqa: F811
+def fsdp2_config(tmp_path):
+    """configs/fsdp.yaml with `fsdp_version: 2` (`fully_shard`, parameters as DTensors), written to `tmp_path`: the
+    version-1 settings that version 2 has no use for are dropped, `fsdp_reshard_after_forward` becomes a boolean."""
+    import yaml
+
+    with open(os.path.join(HERE, "configs", "fsdp.yaml")) as f:
+        config = yaml.safe_load(f)
+    fsdp = config["fsdp_config"]
+    for key in ("fsdp_use_orig_params", "fsdp_sync_module_states", "fsdp_backward_prefetch", "fsdp_forward_prefetch"):
+        fsdp.pop(key)
+    fsdp.update(fsdp_version=2, fsdp_reshard_after_forward=True)
+    path = tmp_path / "fsdp2.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return str(path)
+
+
+@pytest.mark.parametrize("version", [1, 2])
+def test_ppo_multinode_fsdp_equals_ddp(version, tiny, tmp_path):  # noqa: F811
     """ppo_multinode.py under configs/fsdp.yaml (FSDP version 1 through accelerate, each decoder layer a unit,
-    really sharded on 2 CPU processes: `launch_fsdp`) takes the same 2 updates as under DDP: the same logged
-    metrics and saved weights, and the saved models load with from_pretrained. Generation runs in step
-    (synced_gpus, inside summon_full_params of the root unit)."""
+    really sharded on 2 CPU processes: `launch_fsdp`), and under the same config with `fsdp_version: 2`
+    (`fully_shard`), takes the same 2 updates as under DDP: the same logged metrics and saved weights, and the saved
+    models load with from_pretrained. Generation runs in step (synced_gpus) with the root unit's weights gathered
+    (`sharded_generation_context`)."""
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
     for name in ("ddp", "fsdp"):
         args = run_args(tiny, tmp_path / name, run_name=name, log_dir=tmp_path / "tb")
         cmd = ["python", "ppo_multinode.py", *[f"--{k}={v}" for k, v in args.items()]]
-        launch_two(None, cmd, name) if name == "ddp" else launch_fsdp(cmd, name, tmp_path)
+        if name == "ddp":
+            launch_two(None, cmd, name)
+        else:
+            launch_fsdp(cmd, name, tmp_path, "fsdp" if version == 1 else fsdp2_config(tmp_path))
     assert assert_same_scalars(str(tmp_path / "tb"), "ddp", "fsdp", {0, 1, 2}, FSDP_ATOL) >= 12
     for folder in ("model", "model/value_model"):
         assert_same_saved_weights(str(tmp_path / "ddp" / folder), str(tmp_path / "fsdp" / folder), FSDP_ATOL)
