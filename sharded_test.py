@@ -23,6 +23,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -41,10 +42,10 @@ needs_deepspeed = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is No
                                      reason="deepspeed is not installed")
 
 
-def launch_two(config, args, run_name, env_extra=None):
+def launch_two(config, args, run_name, env_extra=None, fails=False):
     """`accelerate launch` of `args` on 2 CPU processes: DDP (gloo) when `config` is None, else under
     `configs/<config>.yaml` (or the file `config`, a path ending in .yaml), with the variables `env_extra` added.
-    Returns the combined output; fails the test on a non-zero exit."""
+    Returns the combined output; fails the test on a non-zero exit (with `fails`: on a zero exit) or a timeout."""
     port = str(29500 + os.getpid() % 1000)
     launcher = [sys.executable, "-m", "accelerate.commands.launch", "--num_machines", "1", "--mixed_precision", "no",
                 "--dynamo_backend", "no", "--num_processes", "2", "--num_cpu_threads_per_process", "1",
@@ -73,7 +74,10 @@ def launch_two(config, args, run_name, env_extra=None):
             os.killpg(proc.pid, signal.SIGKILL)
             output, _ = proc.communicate(timeout=60)
         pytest.fail(f"{config or 'DDP'} run {run_name} timed out after {TIMEOUT}s:\n{output[-4000:]}")
-    assert proc.returncode == 0, f"{config or 'DDP'} run {run_name} failed:\n{output[-4000:]}"
+    if fails:
+        assert proc.returncode != 0, f"{config or 'DDP'} run {run_name} did not fail:\n{output[-4000:]}"
+    else:
+        assert proc.returncode == 0, f"{config or 'DDP'} run {run_name} failed:\n{output[-4000:]}"
     return output
 
 
@@ -354,3 +358,81 @@ def test_fsdp_equals_ddp(stage, tiny_model_dir, tmp_path):  # noqa: F811
     assert_same_saved_weights(str(tmp_path / "ddp"), str(tmp_path / "fsdp"), FSDP_ATOL)
     model_class = AutoModelForSequenceClassification if stage == "reward" else AutoModelForCausalLM
     model_class.from_pretrained(tmp_path / "fsdp")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# ZeRO-3: processes that generate different numbers of tokens
+# ---------------------------------------------------------------------------------------------------------------
+UNEVEN_GENERATION = '''"""Test-only driver (written by sharded_test.py): runs ppo_multinode.py's `main` as its
+`__main__` does, but process 0 generates at most 2 new tokens per call (as if all its rows drew the stop token there:
+`synced_rollout` pads the responses with the pad token, which is this tokenizer's EOS), while the others generate up
+to --response_length. With UNEVEN_SYNCED=0 it also turns synced generation off (`synced_gpus=False`), as a script
+that did not keep generation in step would. Each process writes how many new tokens each of its `generate` calls
+made to $UNEVEN_REPORT_DIR/rank<r>.json.
+"""
+import copy
+import json
+import os
+import sys
+
+import torch
+import tyro
+
+sys.path.insert(0, os.getcwd())
+import ppo_multinode  # noqa: E402
+
+original_generate_with = ppo_multinode.generate_with
+lengths = []
+
+
+def generate_with(model, generation_config, **inputs):
+    rank = torch.distributed.get_rank()
+    if rank == 0:
+        generation_config = copy.deepcopy(generation_config)
+        generation_config.max_new_tokens = 2
+    if os.environ["UNEVEN_SYNCED"] == "0":
+        inputs["synced_gpus"] = False
+    out = original_generate_with(model, generation_config, **inputs)
+    lengths.append(out.shape[1] - inputs["input_ids"].shape[1])
+    with open(os.path.join(os.environ["UNEVEN_REPORT_DIR"], f"rank{rank}.json"), "w") as f:
+        json.dump(lengths, f)
+    return out
+
+
+ppo_multinode.generate_with = generate_with
+sys.argv = ["ppo_multinode.py", *sys.argv[1:]]
+ppo_multinode.run_as_command(ppo_multinode.main, tyro.cli(ppo_multinode.Args))
+'''
+
+
+@needs_deepspeed
+def test_zero3_uneven_generation_stays_in_step(tiny, tmp_path):  # noqa: F811
+    """Under ZeRO-3 every generation step gathers partitioned weights, a collective. Process 0 generates 2 new tokens
+    per call and process 1 six (the UNEVEN_GENERATION driver): ppo_multinode.py's synced generation keeps process 0
+    stepping until process 1 is done, and the 2-update run finishes. The same run with synced generation turned off
+    must fail, and fail fast: process 0 leaves generation and its next gathers no longer match process 1's (here
+    gloo sees the mismatched sizes at once, about 10 s in all; gathers that happened to match would hang until
+    --dist_timeout_s, 20 s), not a hang until the test's timeout. So the test tells the two apart."""
+    driver = tmp_path / "uneven_generation.py"
+    driver.write_text(UNEVEN_GENERATION)
+    outputs = {}
+    for synced in ("1", "0"):
+        name = f"synced{synced}"
+        report_dir = tmp_path / f"report_{name}"
+        report_dir.mkdir()
+        args = run_args(tiny, tmp_path / name, run_name=name, log_dir=tmp_path / "tb", dist_timeout_s=20)
+        cmd = ["python", str(driver), *[f"--{k}={v}" for k, v in args.items()]]
+        env = {"UNEVEN_SYNCED": synced, "UNEVEN_REPORT_DIR": str(report_dir)}
+        start = time.monotonic()
+        outputs[name] = launch_two("deepspeed_zero3", cmd, name, env, fails=synced == "0")
+        elapsed = time.monotonic() - start
+        lengths = [json.loads(path.read_text()) if path.exists() else [] for path in
+                   (report_dir / f"rank{rank}.json" for rank in (0, 1))]
+        assert lengths[0] and max(lengths[0]) <= 2, lengths
+        if synced == "1":  # the held-out evaluations before and after training and 2 rollouts, every one complete
+            assert len(lengths[0]) == len(lengths[1]) == 4 and min(lengths[1]) > 2, lengths
+            assert os.path.isfile(tmp_path / name / "model" / "model.safetensors")
+        else:  # process 1 never got its third token: process 0 had left generation and no longer gathered weights
+            assert lengths[1] == [] and not os.path.exists(tmp_path / name / "model"), lengths
+            assert elapsed < TIMEOUT / 2, f"the unsynced run took {elapsed:.0f} s to fail"
+    assert "error:" in outputs["synced0"] and "error:" not in outputs["synced1"]
