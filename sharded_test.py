@@ -174,20 +174,41 @@ def test_zero3_equals_ddp(stage, tiny_model_dir, tiny_rm_dir, tmp_path):  # noqa
 
 
 @needs_deepspeed
-def test_zero3_resume_equals_uninterrupted(tiny_model_dir, tmp_path):  # noqa: F811
+@pytest.mark.parametrize("stage", ["sft", "reward"])
+def test_zero3_resume_equals_uninterrupted(stage, tiny_model_dir, tmp_path):  # noqa: F811
     """Under ZeRO-3 a checkpoint holds partitioned parameters and optimizer states (accelerate's save_state hands it
-    to DeepSpeed): resuming from the step-3 checkpoint of a 6-step run must end where that run ended."""
+    to DeepSpeed): resuming sft.py or reward.py from the step-3 checkpoint of a 6-step run must end where that run
+    ended."""
     straight, resumed = str(tmp_path / "straight"), str(tmp_path / "resumed")
-    cmd = stage_command("sft", tiny_model_dir, None, straight, "straight", ["--save_every", "3",
+    cmd = stage_command(stage, tiny_model_dir, None, straight, "straight", ["--save_every", "3",
                                                                            "--save_total_limit", "2"])
     cmd[cmd.index("--per_device_train_batch_size") + 1] = "2"
     launch_two("deepspeed_zero3", cmd, "straight")
     checkpoint = os.path.join(straight + "-checkpoints", "checkpoint-3")
-    cmd = stage_command("sft", tiny_model_dir, None, resumed, "resumed", ["--resume_from", checkpoint])
+    cmd = stage_command(stage, tiny_model_dir, None, resumed, "resumed", ["--resume_from", checkpoint])
     cmd[cmd.index("--per_device_train_batch_size") + 1] = "2"
     launch_two("deepspeed_zero3", cmd, "resumed")
     assert_same_saved_weights(straight, resumed)
     assert assert_same_scalars(str(tmp_path / "tb"), "straight", "resumed", {4, 5, 6}) >= 3
+    assert not any(scalars(str(tmp_path / "tb"), "resumed", {1, 2, 3}).values())  # it did start at step 4
+
+
+@needs_deepspeed
+def test_ppo_multinode_zero3_resume_equals_uninterrupted(tiny, tmp_path):  # noqa: F811
+    """ppo_multinode.py under ZeRO-3, resumed from the update-2 checkpoint of a 4-update run (policy and value model
+    partitioned in one DeepSpeed engine, every process's random state), ends where that run ended: the same metrics
+    at updates 3 and 4 and the same saved policy and value model."""
+    runs = {}
+    for name, extra in (("straight", {"save_every": 2}), ("resumed", {})):
+        runs[name] = tmp_path / name
+        args = run_args(tiny, runs[name], run_name=name, log_dir=tmp_path / "tb", total_episodes=16, **extra)
+        if name == "resumed":
+            args["resume_from"] = str(runs["straight"] / "model-checkpoints" / "checkpoint-2")
+        launch_two("deepspeed_zero3", ["python", "ppo_multinode.py", *[f"--{k}={v}" for k, v in args.items()]], name)
+    for folder in ("model", "model/value_model"):
+        assert_same_saved_weights(str(runs["straight"] / folder), str(runs["resumed"] / folder))
+    assert assert_same_scalars(str(tmp_path / "tb"), "straight", "resumed", {3, 4}) >= 12
+    assert not any(scalars(str(tmp_path / "tb"), "resumed", {1, 2}).values())  # it did start at update 3
 
 
 # ---------------------------------------------------------------------------------------------------------------
