@@ -457,3 +457,19 @@ def test_zero3_uneven_generation_stays_in_step(tiny, tmp_path):  # noqa: F811
             assert lengths[1] == [] and not os.path.exists(tmp_path / name / "model"), lengths
             assert elapsed < TIMEOUT / 2, f"the unsynced run took {elapsed:.0f} s to fail"
     assert "error:" in outputs["synced0"] and "error:" not in outputs["synced1"]
+
+
+@pytest.mark.parametrize("config", [pytest.param("deepspeed_zero3", marks=needs_deepspeed), "fsdp"])
+def test_ppo_py_refuses_sharded_weights(config, tiny_model_dir, tiny_rm_dir, tmp_path):  # noqa: F811
+    """ppo.py does not keep generation in step across processes, so under ZeRO-3 and FSDP (sharded weights) it stops
+    at start with one `error:` line pointing to ppo_multinode.py, before writing anything."""
+    cmd = stage_command("ppo", tiny_model_dir, tiny_rm_dir, str(tmp_path / "out"), "refused")
+    if config == "fsdp":  # through the FSDP_ON_CPU driver, so that accelerate really sets up FSDP
+        driver = tmp_path / "fsdp_on_cpu.py"
+        driver.write_text(FSDP_ON_CPU)
+        cmd = [cmd[0], str(driver), *cmd[1:]]
+    env = {"ACCELERATE_USE_CPU": "true", "FSDP_REPORT_DIR": str(tmp_path)} if config == "fsdp" else {}
+    output = launch_two(config, cmd, "refused", env, fails=True)
+    lines = [line for line in output.splitlines() if line.startswith("error:")]
+    assert lines and all(line.startswith("error: ppo.py does not run under ZeRO-3 or FSDP") for line in lines), lines
+    assert "ppo_multinode.py" in lines[0] and not os.path.exists(tmp_path / "out")
