@@ -25,10 +25,10 @@ What scaling out changes, compared with ppo.py:
   - the value model no longer has to be the reward model (`--value_model_path`).
   - the reward call runs inside `torch.random.fork_rng`, so the main process samples the same rollouts whether or not
     it hosts the reward model.
-  - ZeRO-3 and FSDP shard the policy's weights: generation runs with `synced_gpus=True`, and under FSDP inside
-    `summon_full_params` of the root unit (see `sharded_generation_context`). The FSDP generation path is tested with
-    PyTorch FSDP on the CPU (multinode_test.py); ZeRO-3, and accelerate's FSDP set-up (it needs GPUs), have NOT been
-    run in this project: they follow the DeepSpeed, PyTorch and accelerate documentation.
+  - ZeRO-3 and FSDP shard the policy's weights: generation runs with `synced_gpus=True`, and under FSDP with the
+    root unit's weights gathered (see `sharded_generation_context`; FSDP versions 1 and 2). Tested on 2 CPU processes
+    (sharded_test.py): ZeRO-2, ZeRO-3 and FSDP 1 and 2 equal to DDP, ZeRO-3 resume, and ZeRO-3 processes that generate
+    different numbers of tokens; not on GPUs (no GPUs in this project's CI).
 
 Your own reward: a function of text, returning one float per sample,
     def my_reward(samples, prompts, outputs, **kwargs) -> list[float]:
@@ -49,7 +49,8 @@ Run it (defaults read `sft.py`'s and `reward.py`'s default outputs):
         --main_process_port 29500 ppo_multinode.py
     accelerate launch --config_file configs/deepspeed_zero3.yaml ppo_multinode.py   # 8 GPUs, ZeRO-3
     # ZeRO-2 and ZeRO-3 are tested equal to DDP on 2 CPU processes (DeepSpeed's CPU accelerator; sharded_test.py)
-    accelerate launch --config_file configs/fsdp.yaml ppo_multinode.py             # 8 GPUs, FSDP (not run here)
+    accelerate launch --config_file configs/fsdp.yaml ppo_multinode.py             # 8 GPUs, FSDP
+    # FSDP is tested equal to DDP on 2 CPU processes too, through a test-only driver (sharded_test.py)
     README.md ("Several nodes") covers DeepSpeed hostfiles, NCCL variables and 15+1 GPUs on two nodes.
 
 Follows: Schulman et al. 2017 "Proximal Policy Optimization Algorithms" (clipped objective); Schulman et al. 2016

@@ -21,8 +21,9 @@ Run it (after `python sft.py`: its output folder is this script's default model)
     accelerate launch --config_file configs/multi_gpu.yaml reward.py          # 8 GPUs, DDP
     accelerate launch --config_file configs/deepspeed_zero2.yaml reward.py    # 8 GPUs, ZeRO-2
     accelerate launch --config_file configs/deepspeed_zero3.yaml reward.py    # 8 GPUs, ZeRO-3
+    accelerate launch --config_file configs/fsdp.yaml reward.py               # 8 GPUs, FSDP (version 1)
     # DeepSpeed without GPUs (its CPU accelerator, gloo; no ACCELERATE_USE_CPU, which would mean DDP): tested
-    # equal to DDP on 2 processes, ZeRO-2 and ZeRO-3 (sharded_test.py)
+    # equal to DDP on 2 processes, ZeRO-2 and ZeRO-3 (sharded_test.py); FSDP too, through a test-only driver
     accelerate launch --config_file configs/deepspeed_zero2.yaml --num_processes 2 reward.py
 Anthropic HH, harmless-base (1,849 training pairs, 463 held out). Its dialogues run to hundreds of tokens: on CPU
 keep the last 64 prompt tokens and cut the run to 20 steps (~5 minutes on 2 cores, held-out accuracy ~0.6); on a

@@ -17,8 +17,9 @@ Run it:
     accelerate launch --config_file configs/multi_gpu.yaml sft.py          # 8 GPUs, DDP
     accelerate launch --config_file configs/deepspeed_zero2.yaml sft.py    # 8 GPUs, ZeRO-2
     accelerate launch --config_file configs/deepspeed_zero3.yaml sft.py    # 8 GPUs, ZeRO-3
+    accelerate launch --config_file configs/fsdp.yaml sft.py               # 8 GPUs, FSDP (version 1)
     # DeepSpeed without GPUs (its CPU accelerator, gloo; no ACCELERATE_USE_CPU, which would mean DDP): tested
-    # equal to DDP on 2 processes, ZeRO-2 and ZeRO-3 (sharded_test.py)
+    # equal to DDP on 2 processes, ZeRO-2 and ZeRO-3 (sharded_test.py); FSDP too, through a test-only driver
     accelerate launch --config_file configs/deepspeed_zero2.yaml --num_processes 2 sft.py
     python sft.py --dataset_name ../shared/data/hh-rlhf/harmless-base-test.jsonl.gz --output_dir runs/hh/sft
 

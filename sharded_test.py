@@ -1,19 +1,25 @@
-"""DeepSpeed ZeRO on the CPU: the same run as DDP, metric for metric and weight for weight.
+"""DeepSpeed ZeRO and FSDP on the CPU: the same run as DDP, metric for metric and weight for weight.
 
-    python -m pytest sharded_test.py        # needs `pip install deepspeed`; skipped without it
+    python -m pytest sharded_test.py        # the DeepSpeed tests need `pip install deepspeed` (skipped without it)
 
-Each test runs a script twice on 2 CPU processes with a tiny random model: once under DDP (`--multi_gpu`, gloo) and
-once under a DeepSpeed config from `configs/`, with the same flags. The two runs must log the same tensorboard
-scalars and save the same weights (within 1e-5: ZeRO steps the optimizer on flattened fp32 partitions and
-reduces gradients in other buckets, so sums are rounded in another order), and the DeepSpeed output must load with
-`from_pretrained`. DeepSpeed runs on its CPU accelerator, which joins the processes with gloo by itself: the
-DeepSpeed launches must not set ACCELERATE_USE_CPU (accelerate would quietly fall back to DDP with it). The first
-DeepSpeed run on a machine compiles one small C++ op (about 30 s).
+Most tests run a script twice on 2 CPU processes with a tiny random model: once under DDP (`--multi_gpu`, gloo) and
+once under a DeepSpeed or FSDP config from `configs/`, with the same flags. The two runs must log the same
+tensorboard scalars and save the same weights (DeepSpeed within 1e-5: ZeRO steps the optimizer on flattened fp32
+partitions and reduces gradients in other buckets, so sums are rounded in another order; FSDP within 1e-6), and the
+sharded output must load with `from_pretrained`. DeepSpeed runs on its CPU accelerator, which joins the processes with
+gloo by itself: the DeepSpeed launches must not set ACCELERATE_USE_CPU (accelerate would quietly fall back to DDP with
+it). The first DeepSpeed run on a machine compiles one small C++ op (about 30 s). accelerate 1.15 does not set up FSDP
+without a GPU: the FSDP runs go through a driver script written by the test (FSDP_ON_CPU) that adapts accelerate's
+device checks in the test's processes only, and checks that the model really is sharded.
 
 - ZeRO-2: sft.py, reward.py, ppo.py (6 steps or updates), ppo_multinode.py (2 updates);
 - ZeRO-3: sft.py (tensorboard samples generated in step on every process), reward.py (the new score head drawn on
-  the whole parameter), ppo_multinode.py (and its `--debug_dump_dir` checksum covers whole parameters); sft.py
-  resumed from a ZeRO-3 checkpoint ends where the uninterrupted run ended.
+  the whole parameter), ppo_multinode.py (and its `--debug_dump_dir` checksum covers whole parameters); sft.py,
+  reward.py and ppo_multinode.py resumed from a ZeRO-3 checkpoint end where the uninterrupted run ended;
+  ppo_multinode.py with processes that generate different numbers of tokens finishes, and fails fast without synced
+  generation;
+- FSDP (configs/fsdp.yaml, version 1): sft.py, reward.py, ppo_multinode.py; version 2 (fully_shard): ppo_multinode.py;
+- ppo.py refuses ZeRO-3 and FSDP with one `error:` line.
 About a minute per test on 2 busy CPU cores, most of it process start-up.
 """
 
