@@ -379,7 +379,7 @@ def fsdp_worker(out_dir):
                                      functools.partial(transformer_auto_wrap_policy,
                                                        transformer_layer_cls={LlamaDecoderLayer}))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    accelerator = types.SimpleNamespace(distributed_type=DistributedType.FSDP)
+    accelerator = types.SimpleNamespace(distributed_type=DistributedType.FSDP, is_fsdp2=False)
     args = types.SimpleNamespace(response_length=6 + 4 * rank, temperature=1.0, local_rollout_forward_batch_size=2)
     torch.manual_seed(100 + rank)
     query_ids = torch.randint(2, 50, (3, 4))

@@ -223,9 +223,8 @@ def derive_sizes(args, num_processes):
 
 
 def check_sharding(accelerator):
-    """Raise ValueError under ZeRO-3 or FSDP. They shard the policy's weights, so every generation step is a
-    collective, and a process that stops sampling early would leave the others waiting forever; ppo_multinode.py
-    keeps generation in step."""
+    """ZeRO-3 and FSDP shard the weights: every generation step is then a collective, and a process that stops
+    sampling early would leave the others waiting forever. Raises ValueError under them (ppo_multinode.py runs)."""
     plugin = accelerator.state.deepspeed_plugin
     if (plugin is not None and plugin.zero_stage == 3) or accelerator.distributed_type == DistributedType.FSDP:
         raise ValueError("ppo.py does not run under ZeRO-3 or FSDP (sharded weights need generation kept in step "

@@ -6,7 +6,7 @@ This is ppo.py with only what scaling out changes (`diff ppo.py ppo_multinode.py
   - only the main process loads the reward model, on `--reward_device` (e.g. `cuda:7`, a GPU no trainer uses).
   - ZeRO-3 and FSDP (version 1) shard the weights: generation runs with `synced_gpus` (every process steps until all
     have stopped), under FSDP inside `summon_full_params` of the root unit; frozen models load whole; every process
-    evaluates as many held-out prompts. FSDP version 2 is refused.
+    evaluates as many held-out prompts.
 
 Run it:
     python ppo_multinode.py                                 # 1 process: the same run, metric for metric, as ppo.py
@@ -239,12 +239,8 @@ def derive_sizes(args, num_processes):
 
 
 def check_sharding(accelerator):
-    """Whether the policy's weights are sharded (ZeRO-3, FSDP): then every generation step is a collective, and
-    generation must keep all processes in step (`rollout`). Raises ValueError under FSDP version 2, whose sharded
-    generation path is not built here (`sharded_generation_context`)."""
-    if accelerator.is_fsdp2:
-        raise ValueError("FSDP version 2 is not supported here (see `sharded_generation_context`); use fsdp_version: 1 "
-                         "as in configs/fsdp.yaml.")
+    """ZeRO-3 and FSDP shard the weights: every generation step is then a collective, and a process that stops
+    sampling early would leave the others waiting forever. Returns whether they are on, for `rollout`'s sake."""
     plugin = accelerator.state.deepspeed_plugin
     return (plugin is not None and plugin.zero_stage == 3) or accelerator.distributed_type == DistributedType.FSDP
 
@@ -461,9 +457,16 @@ def token_values(model, query_responses, attention_mask, context_length):
 
 def sharded_generation_context(accelerator, model):
     """Context in which the unwrapped policy and value model (`model`: the prepared `PolicyAndValue`) run outside the
-    wrapper's forward. FSDP (version 1) gathers the root unit's parameters (embeddings, final norm, heads) only in
-    that forward: `summon_full_params(recurse=False)` gathers them meanwhile; each decoder layer gathers its own in
-    its forward (a collective, hence `synced_gpus`). ZeRO-3's hooks gather what runs: nothing to do, nor elsewhere."""
+    wrapper's forward. FSDP gathers the root unit's parameters (embeddings, final norm, heads) only in that forward:
+    version 1's `summon_full_params(recurse=False)` or version 2's `unshard` gathers them meanwhile (`_lazy_init`,
+    private in torch 2.x, first makes the wrapper FSDP2's root, else the first unit to run would be); each layer
+    gathers its own weights (a collective: `synced_gpus`). ZeRO-3's hooks gather what runs: nothing to do."""
+    if accelerator.is_fsdp2:
+        model._get_fsdp_state()._lazy_init()
+        model.unshard()
+        context = contextlib.ExitStack()
+        context.callback(model.reshard)
+        return context
     if accelerator.distributed_type == DistributedType.FSDP:
         from torch.distributed.fsdp import FullyShardedDataParallel
 

@@ -21,8 +21,9 @@ Run it (after `python sft.py`: its output folder is this script's default model)
     accelerate launch --config_file configs/multi_gpu.yaml reward.py          # 8 GPUs, DDP
     accelerate launch --config_file configs/deepspeed_zero2.yaml reward.py    # 8 GPUs, ZeRO-2
     accelerate launch --config_file configs/deepspeed_zero3.yaml reward.py    # 8 GPUs, ZeRO-3
+    accelerate launch --config_file configs/fsdp.yaml reward.py               # 8 GPUs, FSDP (version 1)
     # DeepSpeed without GPUs (its CPU accelerator, gloo; no ACCELERATE_USE_CPU, which would mean DDP): tested
-    # equal to DDP on 2 processes, ZeRO-2 and ZeRO-3 (sharded_test.py)
+    # equal to DDP on 2 processes, ZeRO-2 and ZeRO-3 (sharded_test.py); FSDP too, through a test-only driver
     accelerate launch --config_file configs/deepspeed_zero2.yaml --mixed_precision no --num_processes 2 reward.py
 Anthropic HH, harmless-base (1,849 training pairs, 463 held out). Its dialogues run to hundreds of tokens: on CPU
 keep the last 64 prompt tokens and cut the run to 20 steps (~5 minutes on 2 cores, held-out accuracy ~0.6); on a
@@ -60,7 +61,8 @@ import torch.nn.functional as F
 import tyro
 from accelerate import Accelerator, PartialState
 from accelerate.logging import get_logger
-from accelerate.utils import InitProcessGroupKwargs, broadcast_object_list, gather_object, set_seed
+from accelerate.utils import (DistributedType, InitProcessGroupKwargs, broadcast_object_list, gather_object,
+                               set_seed)
 from safetensors import SafetensorError
 from tqdm.auto import tqdm
 from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer,
@@ -300,6 +302,9 @@ def main(args: Args):
     """Train the reward model end to end, normalise its scores (`reward_bias`) and save it to `output_dir`."""
     logging.basicConfig(format="%(asctime)s %(levelname)s %(message)s", level=logging.INFO)
     accelerator = make_accelerator(args)
+    if accelerator.is_fsdp2:  # its root unit's weights would need another gathering than FSDP version 1's
+        raise ValueError("reward.py does not run under FSDP version 2 (fully_shard); use fsdp_version: 1 as in "
+                         "configs/fsdp.yaml.")
     set_seed(args.seed)
     if accelerator.device.type == "cpu" and tune_cpu_allocator():
         logger.info("CPU run: malloc keeps freed memory for reuse (tune_cpu_allocator)", main_process_only=True)
@@ -363,8 +368,14 @@ def main(args: Args):
     table_rows = [held_out[i] for i in range(0, len(held_out), world)][: args.num_table_examples]
 
     def log_eval(step):
-        metrics, local_scores = evaluate_pairs(accelerator, model, eval_pairs, args.per_device_train_batch_size,
-                                               tokenizer.pad_token_id)
+        # FSDP (version 1) gathers the root unit's weights (embeddings, final norm, score head) only in the wrapper's
+        # own forward: they are gathered for the plain model's evaluation (each decoder layer gathers its own).
+        from torch.distributed.fsdp import FullyShardedDataParallel
+
+        with (FullyShardedDataParallel.summon_full_params(reward_model, recurse=False, writeback=False)
+              if accelerator.distributed_type == DistributedType.FSDP else contextlib.nullcontext()):
+            metrics, local_scores = evaluate_pairs(accelerator, model, eval_pairs, args.per_device_train_batch_size,
+                                                   tokenizer.pad_token_id)
         accelerator.log(metrics, step=step)
         logger.info(f"step {step}: eval accuracy {metrics['eval/accuracy']:.3f}, loss {metrics['eval/loss']:.4f}",
                     main_process_only=True)

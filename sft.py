@@ -17,8 +17,9 @@ Run it:
     accelerate launch --config_file configs/multi_gpu.yaml sft.py          # 8 GPUs, DDP
     accelerate launch --config_file configs/deepspeed_zero2.yaml sft.py    # 8 GPUs, ZeRO-2
     accelerate launch --config_file configs/deepspeed_zero3.yaml sft.py    # 8 GPUs, ZeRO-3
+    accelerate launch --config_file configs/fsdp.yaml sft.py               # 8 GPUs, FSDP (version 1)
     # DeepSpeed without GPUs (its CPU accelerator, gloo; no ACCELERATE_USE_CPU, which would mean DDP): tested
-    # equal to DDP on 2 processes, ZeRO-2 and ZeRO-3 (sharded_test.py)
+    # equal to DDP on 2 processes, ZeRO-2 and ZeRO-3 (sharded_test.py); FSDP too, through a test-only driver
     accelerate launch --config_file configs/deepspeed_zero2.yaml --mixed_precision no --num_processes 2 sft.py
     python sft.py --dataset_name ../shared/data/hh-rlhf/harmless-base-test.jsonl.gz --output_dir runs/hh/sft
 
@@ -48,7 +49,8 @@ import torch.nn.functional as F
 import tyro
 from accelerate import Accelerator, PartialState
 from accelerate.logging import get_logger
-from accelerate.utils import InitProcessGroupKwargs, broadcast_object_list, gather_object, set_seed
+from accelerate.utils import (DistributedType, InitProcessGroupKwargs, broadcast_object_list, gather_object,
+                               set_seed)
 from safetensors import SafetensorError
 from tqdm.auto import tqdm
 from transformers import (AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig, PretrainedConfig,
@@ -176,7 +178,7 @@ def generate_samples(model, tokenizer, prompts, max_prompt_length, max_length, s
     a completion within `max_length`. Greedy and nothing else (`generate_with`): the samples show what the model
     itself predicts, not what the checkpoint's repetition penalty or length settings make of it.
 
-    `synced_gpus` (ZeRO-3): every generation step gathers the partitioned weights, a collective, so every process
+    `synced_gpus` (ZeRO-3, FSDP): every generation step gathers the sharded weights, a collective, so every process
     must call this with the same prompts, and one that has finished keeps stepping until all have."""
     ids = [tokenizer(prompt, add_special_tokens=False)["input_ids"][-max_prompt_length:] for prompt in prompts]
     tokenizer.padding_side = "left"
@@ -241,6 +243,9 @@ def main(args: Args):
     """Run SFT end to end: load data and model, train `max_steps` optimizer steps, evaluate, save to `output_dir`."""
     logging.basicConfig(format="%(asctime)s %(levelname)s %(message)s", level=logging.INFO)
     accelerator = make_accelerator(args)
+    if accelerator.is_fsdp2:  # its root unit's weights would need another gathering than FSDP version 1's
+        raise ValueError("sft.py does not run under FSDP version 2 (fully_shard); use fsdp_version: 1 as in "
+                         "configs/fsdp.yaml.")
     set_seed(args.seed)
     if accelerator.device.type == "cpu" and tune_cpu_allocator():
         logger.info("CPU run: malloc keeps freed memory for reuse (tune_cpu_allocator)", main_process_only=True)
@@ -296,17 +301,24 @@ def main(args: Args):
     writer = accelerator.get_tracker("tensorboard").tracker if accelerator.is_main_process else None
     prompts = list(held_out["prompt"][: args.num_sample_generations])
     plugin = accelerator.state.deepspeed_plugin
-    sharded = plugin is not None and plugin.zero_stage == 3
+    fsdp = accelerator.distributed_type == DistributedType.FSDP
+    sharded = (plugin is not None and plugin.zero_stage == 3) or fsdp
 
     def log_eval(step):
         eval_loss = evaluate_sft(accelerator, model, eval_loader)
         accelerator.log({"eval/loss": eval_loss}, step=step)
         logger.info(f"step {step}: eval loss {eval_loss:.4f}", main_process_only=True)
-        # Under ZeRO-3 each generation step gathers the partitioned weights (a collective): every process generates,
-        # in step, and only the main process writes. Otherwise the main process alone generates.
+        # Under ZeRO-3 and FSDP each generation step gathers the sharded weights (a collective): every process
+        # generates, in step, and only the main process writes. Otherwise the main process alone generates.
         if prompts and (writer is not None or sharded):
-            samples = generate_samples(accelerator.unwrap_model(model), tokenizer, prompts, args.max_prompt_length,
-                                       args.max_length, synced_gpus=sharded)
+            # FSDP (version 1) gathers the root unit's weights (embeddings, final norm, head) only in the wrapper's
+            # own forward, which generate does not call: they are gathered for the call.
+            from torch.distributed.fsdp import FullyShardedDataParallel
+
+            with (FullyShardedDataParallel.summon_full_params(model, recurse=False, writeback=False) if fsdp
+                  else contextlib.nullcontext()):
+                samples = generate_samples(accelerator.unwrap_model(model), tokenizer, prompts,
+                                           args.max_prompt_length, args.max_length, synced_gpus=sharded)
         if writer is not None and prompts:
             table = "| prompt | completion |\n|---|---|\n" + "\n".join(
                 f"| {p} | {c} |".replace("\n", " ") for p, c in zip(prompts, samples))

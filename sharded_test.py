@@ -1,27 +1,36 @@
-"""DeepSpeed ZeRO on the CPU: the same run as DDP, metric for metric and weight for weight.
+"""DeepSpeed ZeRO and FSDP on the CPU: the same run as DDP, metric for metric and weight for weight.
 
-    python -m pytest sharded_test.py        # needs `pip install deepspeed`; skipped without it
+    python -m pytest sharded_test.py        # the DeepSpeed tests need `pip install deepspeed` (skipped without it)
 
-Each test runs a script twice on 2 CPU processes with a tiny random model: once under DDP (`--multi_gpu`, gloo) and
-once under a DeepSpeed config from `configs/`, with the same flags. The two runs must log the same tensorboard
-scalars and save the same weights (within 1e-5: ZeRO steps the optimizer on flattened fp32 partitions and
-reduces gradients in other buckets, so sums are rounded in another order), and the DeepSpeed output must load with
-`from_pretrained`. DeepSpeed runs on its CPU accelerator, which joins the processes with gloo by itself: the
-DeepSpeed launches must not set ACCELERATE_USE_CPU (accelerate would quietly fall back to DDP with it). The first
-DeepSpeed run on a machine compiles one small C++ op (about 30 s).
+Most tests run a script twice on 2 CPU processes with a tiny random model: once under DDP (`--multi_gpu`, gloo) and
+once under a DeepSpeed or FSDP config from `configs/`, with the same flags. The two runs must log the same
+tensorboard scalars and save the same weights (DeepSpeed within 1e-5: ZeRO steps the optimizer on flattened fp32
+partitions and reduces gradients in other buckets, so sums are rounded in another order; FSDP within 1e-6), and the
+sharded output must load with `from_pretrained`. DeepSpeed runs on its CPU accelerator, which joins the processes with
+gloo by itself: the DeepSpeed launches must not set ACCELERATE_USE_CPU (accelerate would quietly fall back to DDP with
+it). The first DeepSpeed run on a machine compiles one small C++ op (about 30 s). accelerate 1.15 does not set up FSDP
+without a GPU: the FSDP runs go through a driver script written by the test (FSDP_ON_CPU) that adapts accelerate's
+device checks in the test's processes only, and checks that the model really is sharded.
 
 - ZeRO-2: sft.py, reward.py, ppo.py (6 steps or updates), ppo_multinode.py (2 updates);
 - ZeRO-3: sft.py (tensorboard samples generated in step on every process), reward.py (the new score head drawn on
-  the whole parameter), ppo_multinode.py (a checksum of the whole parameters, taken by a driver that wraps its training step); sft.py
-  resumed from a ZeRO-3 checkpoint ends where the uninterrupted run ended.
+  the whole parameter), ppo_multinode.py (a checksum of the whole parameters, taken by a driver that wraps its
+  training step); sft.py, reward.py and ppo_multinode.py resumed from a ZeRO-3 checkpoint end where the
+  uninterrupted run ended;
+  ppo_multinode.py with processes that generate different numbers of tokens finishes, and fails fast without synced
+  generation;
+- FSDP (configs/fsdp.yaml, version 1): sft.py, reward.py, ppo_multinode.py; version 2 (fully_shard): ppo_multinode.py;
+- ppo.py refuses ZeRO-3 and FSDP with one `error:` line.
 About a minute per test on 2 busy CPU cores, most of it process start-up.
 """
 
 import importlib.util
+import json
 import os
 import signal
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -34,13 +43,16 @@ from utils_test import tiny_model_dir  # noqa: F401  (pytest fixture)
 HERE = os.path.dirname(os.path.abspath(__file__))
 TIMEOUT = 300
 ATOL = 1e-5
+FSDP_ATOL = 1e-6  # FSDP steps the same per-parameter AdamW on the local shards: only reduction order differs
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="deepspeed is not installed")
+needs_deepspeed = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None,
+                                     reason="deepspeed is not installed")
 
 
-def launch_two(config, args, run_name):
+def launch_two(config, args, run_name, env_extra=None, fails=False):
     """`accelerate launch` of `args` on 2 CPU processes: DDP (gloo) when `config` is None, else under
-    `configs/<config>.yaml`. Returns the combined output; fails the test on a non-zero exit."""
+    `configs/<config>.yaml` (or the file `config`, a path ending in .yaml), with the variables `env_extra` added.
+    Returns the combined output; fails the test on a non-zero exit (with `fails`: on a zero exit) or a timeout."""
     port = str(29500 + os.getpid() % 1000)
     launcher = [sys.executable, "-m", "accelerate.commands.launch", "--num_machines", "1", "--mixed_precision", "no",
                 "--dynamo_backend", "no", "--num_processes", "2", "--num_cpu_threads_per_process", "1",
@@ -51,7 +63,9 @@ def launch_two(config, args, run_name):
         launcher.append("--multi_gpu")
         env["ACCELERATE_USE_CPU"] = "true"
     else:
-        launcher += ["--config_file", os.path.join("configs", f"{config}.yaml")]
+        config_file = config if config.endswith(".yaml") else os.path.join("configs", f"{config}.yaml")
+        launcher += ["--config_file", config_file]
+    env.update(env_extra or {})
     # args[1:]: accelerate starts the script itself.
     proc = subprocess.Popen(launcher + args[1:], cwd=HERE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, env=env, start_new_session=True)
@@ -67,36 +81,41 @@ def launch_two(config, args, run_name):
             os.killpg(proc.pid, signal.SIGKILL)
             output, _ = proc.communicate(timeout=60)
         pytest.fail(f"{config or 'DDP'} run {run_name} timed out after {TIMEOUT}s:\n{output[-4000:]}")
-    assert proc.returncode == 0, f"{config or 'DDP'} run {run_name} failed:\n{output[-4000:]}"
+    if fails:
+        assert proc.returncode != 0, f"{config or 'DDP'} run {run_name} did not fail:\n{output[-4000:]}"
+    else:
+        assert proc.returncode == 0, f"{config or 'DDP'} run {run_name} failed:\n{output[-4000:]}"
     return output
 
 
-def assert_same_saved_weights(dir_a, dir_b):
-    """`dir_b` holds the weights of `dir_a`, within ATOL. DeepSpeed's state dict clones every tensor for saving
+def assert_same_saved_weights(dir_a, dir_b, atol=ATOL):
+    """`dir_b` holds the weights of `dir_a`, within `atol`. DeepSpeed's state dict clones every tensor for saving
     (accelerate's `clone_tensors_for_torch_save`), which unties the tied output embedding: `save_pretrained` then
-    writes `lm_head.weight` as well, a copy of `model.embed_tokens.weight` that `from_pretrained` ties again."""
+    writes `lm_head.weight` as well, a copy of `model.embed_tokens.weight` that `from_pretrained` ties again (FSDP's
+    full state dict names the tied weight under both keys too)."""
     a = load_file(os.path.join(dir_a, "model.safetensors"))
     b = load_file(os.path.join(dir_b, "model.safetensors"))
     if "lm_head.weight" in b.keys() - a.keys():
         assert torch.equal(b.pop("lm_head.weight"), b["model.embed_tokens.weight"])
     assert a.keys() == b.keys()
     for key in a:
-        torch.testing.assert_close(b[key], a[key], atol=ATOL, rtol=0, msg=f"{key} differs")
+        torch.testing.assert_close(b[key], a[key], atol=atol, rtol=0, msg=f"{key} differs")
 
 
-def assert_same_scalars(log_dir, want_run, got_run, steps):
-    """Every scalar of `want_run` at `steps` is logged by `got_run` too, within ATOL."""
+def assert_same_scalars(log_dir, want_run, got_run, steps, atol=ATOL):
+    """Every scalar of `want_run` at `steps` is logged by `got_run` too, within `atol` (absolute or relative)."""
     want, got = scalars(log_dir, want_run, steps), scalars(log_dir, got_run, steps)
     assert want.keys() == got.keys()
     compared = 0
     for tag, values in want.items():
         assert values.keys() == got[tag].keys(), tag
         for step, value in values.items():
-            assert got[tag][step] == pytest.approx(value, abs=ATOL, rel=ATOL), f"{tag} at step {step}"
+            assert got[tag][step] == pytest.approx(value, abs=atol, rel=atol), f"{tag} at step {step}"
             compared += 1
     return compared
 
 
+@needs_deepspeed
 @pytest.mark.parametrize("stage", ["sft", "reward", "ppo"])
 def test_zero2_equals_ddp(stage, tiny_model_dir, tiny_rm_dir, tmp_path):  # noqa: F811
     """ZeRO-2 (optimizer states and gradients sharded) takes the same steps as DDP: sft.py, reward.py and ppo.py,
@@ -117,6 +136,7 @@ def test_zero2_equals_ddp(stage, tiny_model_dir, tiny_rm_dir, tmp_path):  # noqa
     assert any(not torch.equal(trained[k], initial[k]) for k in trained.keys() & initial.keys())  # it trained
 
 
+@needs_deepspeed
 @pytest.mark.parametrize("config", ["deepspeed_zero2", "deepspeed_zero3"])
 def test_ppo_multinode_equals_ddp(config, tiny, tmp_path):  # noqa: F811
     """ppo_multinode.py under ZeRO-2 and ZeRO-3 takes the same 2 updates as under DDP on 2 processes. Under ZeRO-3
@@ -146,6 +166,7 @@ def test_ppo_multinode_equals_ddp(config, tiny, tmp_path):  # noqa: F811
     AutoModelForSequenceClassification.from_pretrained(tmp_path / "sharded" / "model" / "value_model")
 
 
+@needs_deepspeed
 @pytest.mark.parametrize("stage", ["sft", "reward"])
 def test_zero3_equals_ddp(stage, tiny_model_dir, tiny_rm_dir, tmp_path):  # noqa: F811
     """ZeRO-3 (parameters partitioned too) takes the same steps as DDP: sft.py (which generates its tensorboard
@@ -161,17 +182,303 @@ def test_zero3_equals_ddp(stage, tiny_model_dir, tiny_rm_dir, tmp_path):  # noqa
     model_class.from_pretrained(tmp_path / "zero3")
 
 
-def test_zero3_resume_equals_uninterrupted(tiny_model_dir, tmp_path):  # noqa: F811
+@needs_deepspeed
+@pytest.mark.parametrize("stage", ["sft", "reward"])
+def test_zero3_resume_equals_uninterrupted(stage, tiny_model_dir, tmp_path):  # noqa: F811
     """Under ZeRO-3 a checkpoint holds partitioned parameters and optimizer states (accelerate's save_state hands it
-    to DeepSpeed): resuming from the step-3 checkpoint of a 6-step run must end where that run ended."""
+    to DeepSpeed): resuming sft.py or reward.py from the step-3 checkpoint of a 6-step run must end where that run
+    ended."""
     straight, resumed = str(tmp_path / "straight"), str(tmp_path / "resumed")
-    cmd = stage_command("sft", tiny_model_dir, None, straight, "straight", ["--save_every", "3",
+    cmd = stage_command(stage, tiny_model_dir, None, straight, "straight", ["--save_every", "3",
                                                                            "--save_total_limit", "2"])
     cmd[cmd.index("--per_device_train_batch_size") + 1] = "2"
     launch_two("deepspeed_zero3", cmd, "straight")
     checkpoint = os.path.join(straight + "-checkpoints", "checkpoint-3")
-    cmd = stage_command("sft", tiny_model_dir, None, resumed, "resumed", ["--resume_from", checkpoint])
+    cmd = stage_command(stage, tiny_model_dir, None, resumed, "resumed", ["--resume_from", checkpoint])
     cmd[cmd.index("--per_device_train_batch_size") + 1] = "2"
     launch_two("deepspeed_zero3", cmd, "resumed")
     assert_same_saved_weights(straight, resumed)
     assert assert_same_scalars(str(tmp_path / "tb"), "straight", "resumed", {4, 5, 6}) >= 3
+    assert not any(scalars(str(tmp_path / "tb"), "resumed", {1, 2, 3}).values())  # it did start at step 4
+
+
+@needs_deepspeed
+def test_ppo_multinode_zero3_resume_equals_uninterrupted(tiny, tmp_path):  # noqa: F811
+    """ppo_multinode.py under ZeRO-3, resumed from the update-2 checkpoint of a 4-update run (policy and value model
+    partitioned in one DeepSpeed engine, every process's random state), ends where that run ended: the same metrics
+    at updates 3 and 4 and the same saved policy and value model."""
+    runs = {}
+    for name, extra in (("straight", {"save_every": 2}), ("resumed", {})):
+        runs[name] = tmp_path / name
+        args = run_args(tiny, runs[name], run_name=name, log_dir=tmp_path / "tb", total_episodes=16, **extra)
+        if name == "resumed":
+            args["resume_from"] = str(runs["straight"] / "model-checkpoints" / "checkpoint-2")
+        launch_two("deepspeed_zero3", ["python", "ppo_multinode.py", *[f"--{k}={v}" for k, v in args.items()]], name)
+    for folder in ("model", "model/value_model"):
+        assert_same_saved_weights(str(runs["straight"] / folder), str(runs["resumed"] / folder))
+    assert assert_same_scalars(str(tmp_path / "tb"), "straight", "resumed", {3, 4}) >= 12
+    assert not any(scalars(str(tmp_path / "tb"), "resumed", {1, 2}).values())  # it did start at update 3
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# FSDP on the CPU, through accelerate: a driver that adapts accelerate's device checks in the test's processes only
+# ---------------------------------------------------------------------------------------------------------------
+FSDP_ON_CPU = '''"""Test-only driver (written by sharded_test.py): under
+    ACCELERATE_USE_CPU=true accelerate launch --config_file configs/fsdp.yaml --num_processes 2 fsdp_on_cpu.py \\
+        SCRIPT.py ARGS...
+it runs SCRIPT's `main` exactly as its `__main__` does (`run_as_command(main, tyro.cli(Args))`), but with accelerate's
+FSDP set-up on CPU processes (gloo). accelerate 1.15 does not do that by itself, for two reasons, both adapted here,
+in this process only (the scripts are unchanged):
+  (1) `fsdp_sync_module_states: true` (rank 0's weights broadcast at wrap time) makes accelerate look for an
+      accelerator device, and PyTorch FSDP refuses it for CPU tensors: it is set to false. Every process loads the
+      same files, so the weights agree without the broadcast.
+  (2) On a machine without an accelerator accelerate keeps DDP (MULTI_CPU) even when given an FSDP plugin: the
+      accelerator's state is switched to FSDP with that plugin, as accelerate does on GPUs (the gloo process group
+      stays).
+  (3) accelerate names the device of a CPU process `cpu:0` (`cpu:<local rank % 1>`) and hands it to FSDP as
+      `device_id`; FSDP compares it with the parameters' device, `cpu`, and stops: the device is named `cpu`.
+  (4) accelerate gathers full state dicts with `offload_to_cpu=True`, a copy from the accelerator to the CPU. For
+      parameters already on the CPU PyTorch FSDP's `FlatParamHandle.to_cpu` "moves" the gathered parameter onto
+      itself and then frees it, and the state dict reads freed memory (a segmentation fault): there it does nothing.
+To show that the model really is sharded, every `Accelerator.prepare` records, per process, the type of each prepared
+model and its local and whole parameter counts in $FSDP_REPORT_DIR/rank<r>.json.
+"""
+import contextlib
+import importlib.util
+import json
+import os
+import sys
+
+import torch
+import tyro
+from accelerate import Accelerator
+from accelerate.state import AcceleratorState, PartialState
+from accelerate.utils import DistributedType
+from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
+from torch.distributed.fsdp._flat_param import FlatParamHandle
+
+os.environ["FSDP_SYNC_MODULE_STATES"] = "false"  # (1)
+original_init = AcceleratorState.__init__
+
+
+def init(self, *args, **kwargs):  # (2)
+    original_init(self, *args, **kwargs)
+    plugin = kwargs.get("fsdp_plugin")
+    if plugin is not None and self.distributed_type == DistributedType.MULTI_CPU:
+        self.distributed_type = DistributedType.FSDP
+        self.fsdp_plugin = plugin
+        PartialState._shared_state["distributed_type"] = DistributedType.FSDP  # as accelerate ends its own set-up
+        self.device = PartialState._shared_state["device"] = torch.device("cpu")  # (3)
+
+
+original_to_cpu = FlatParamHandle.to_cpu
+
+
+@contextlib.contextmanager
+def to_cpu(self):  # (4)
+    if self.flat_param.device.type == "cpu":
+        yield
+    else:
+        with original_to_cpu(self):
+            yield
+
+
+original_prepare = Accelerator.prepare
+report = []
+
+
+def prepare(self, *objects, **kwargs):
+    whole = [sum(p.numel() for p in o.parameters()) if isinstance(o, torch.nn.Module) else None for o in objects]
+    prepared = original_prepare(self, *objects, **kwargs)
+    for o, n in zip(prepared if isinstance(prepared, (tuple, list)) else (prepared,), whole):
+        if n is not None:  # version 1 wraps the model, version 2 (fully_shard) turns its parameters into DTensors
+            report.append({"fsdp": isinstance(o, (FullyShardedDataParallel, FSDPModule)), "whole": n,
+                           "local": sum(getattr(p, "to_local", lambda p=p: p)().numel() for p in o.parameters()),
+                           "distributed_type": self.distributed_type.name, "processes": self.num_processes})
+    with open(os.path.join(os.environ["FSDP_REPORT_DIR"], f"rank{self.process_index}.json"), "w") as f:
+        json.dump(report, f)
+    return prepared
+
+
+AcceleratorState.__init__ = init
+FlatParamHandle.to_cpu = to_cpu
+Accelerator.prepare = prepare
+script, sys.argv = sys.argv[1], sys.argv[1:]
+spec = importlib.util.spec_from_file_location(os.path.basename(script).removesuffix(".py"), script)
+module = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(module)
+module.run_as_command(module.main, tyro.cli(module.Args))
+'''
+
+
+def launch_fsdp(args, run_name, tmp_path, config="fsdp"):
+    """`launch_two` under configs/fsdp.yaml (or `config`), through the FSDP_ON_CPU driver (see its docstring for the
+    four adaptations of accelerate and PyTorch, in the test's processes only). Checks that every model `prepare`
+    returned on each of the 2 processes is FSDP-wrapped and holds about half of its parameters, the other half on the
+    other process."""
+    driver = tmp_path / "fsdp_on_cpu.py"
+    driver.write_text(FSDP_ON_CPU)
+    report_dir = tmp_path / f"fsdp_report_{run_name}"
+    report_dir.mkdir()
+    output = launch_two(config, [args[0], str(driver), *args[1:]], run_name,
+                        {"ACCELERATE_USE_CPU": "true", "FSDP_REPORT_DIR": str(report_dir)})
+    reports = [json.loads((report_dir / f"rank{rank}.json").read_text()) for rank in (0, 1)]
+    assert reports[0] and len(reports[0]) == len(reports[1]), reports
+    for models in zip(*reports):
+        for model in models:
+            assert model["fsdp"] and model["distributed_type"] == "FSDP" and model["processes"] == 2, model
+            assert model["local"] < 0.55 * model["whole"], model
+        # Between them the processes hold every parameter once: version 1 pads each unit's flattened parameters to
+        # a multiple of the process count (a few elements more), version 2 splits each parameter along its rows.
+        assert models[0]["whole"] <= models[0]["local"] + models[1]["local"] <= models[0]["whole"] + 64, models
+    return output
+
+
+def fsdp2_config(tmp_path):
+    """configs/fsdp.yaml with `fsdp_version: 2` (`fully_shard`, parameters as DTensors), written to `tmp_path`: the
+    version-1 settings that version 2 has no use for are dropped, `fsdp_reshard_after_forward` becomes a boolean."""
+    import yaml
+
+    with open(os.path.join(HERE, "configs", "fsdp.yaml")) as f:
+        config = yaml.safe_load(f)
+    fsdp = config["fsdp_config"]
+    for key in ("fsdp_use_orig_params", "fsdp_sync_module_states", "fsdp_backward_prefetch", "fsdp_forward_prefetch"):
+        fsdp.pop(key)
+    fsdp.update(fsdp_version=2, fsdp_reshard_after_forward=True)
+    path = tmp_path / "fsdp2.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return str(path)
+
+
+@pytest.mark.parametrize("version", [1, 2])
+def test_ppo_multinode_fsdp_equals_ddp(version, tiny, tmp_path):  # noqa: F811
+    """ppo_multinode.py under configs/fsdp.yaml (FSDP version 1 through accelerate, each decoder layer a unit,
+    really sharded on 2 CPU processes: `launch_fsdp`), and under the same config with `fsdp_version: 2`
+    (`fully_shard`), takes the same 2 updates as under DDP: the same logged metrics and saved weights, and the saved
+    models load with from_pretrained. Generation runs in step (synced_gpus) with the root unit's weights gathered
+    (`sharded_generation_context`)."""
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    for name in ("ddp", "fsdp"):
+        args = run_args(tiny, tmp_path / name, run_name=name, log_dir=tmp_path / "tb")
+        cmd = ["python", "ppo_multinode.py", *[f"--{k}={v}" for k, v in args.items()]]
+        if name == "ddp":
+            launch_two(None, cmd, name)
+        else:
+            launch_fsdp(cmd, name, tmp_path, "fsdp" if version == 1 else fsdp2_config(tmp_path))
+    assert assert_same_scalars(str(tmp_path / "tb"), "ddp", "fsdp", {0, 1, 2}, FSDP_ATOL) >= 12
+    for folder in ("model", "model/value_model"):
+        assert_same_saved_weights(str(tmp_path / "ddp" / folder), str(tmp_path / "fsdp" / folder), FSDP_ATOL)
+    AutoModelForCausalLM.from_pretrained(tmp_path / "fsdp" / "model")
+    AutoModelForSequenceClassification.from_pretrained(tmp_path / "fsdp" / "model" / "value_model")
+
+
+@pytest.mark.parametrize("stage", ["sft", "reward"])
+def test_fsdp_equals_ddp(stage, tiny_model_dir, tmp_path):  # noqa: F811
+    """sft.py and reward.py under configs/fsdp.yaml (really sharded on 2 CPU processes: `launch_fsdp`) take the same
+    6 steps as DDP: the same logged metrics (evaluation included: sft.py generates its samples on every process, in
+    step, and reward.py evaluates the plain model, both with the root unit's weights gathered) and saved weights, and
+    the saved model loads with from_pretrained."""
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    for name in ("ddp", "fsdp"):
+        cmd = stage_command(stage, tiny_model_dir, None, str(tmp_path / name), name)
+        launch_two(None, cmd, name) if name == "ddp" else launch_fsdp(cmd, name, tmp_path)
+    assert assert_same_scalars(str(tmp_path / "tb"), "ddp", "fsdp", set(range(7)), FSDP_ATOL) >= 12
+    assert_same_saved_weights(str(tmp_path / "ddp"), str(tmp_path / "fsdp"), FSDP_ATOL)
+    model_class = AutoModelForSequenceClassification if stage == "reward" else AutoModelForCausalLM
+    model_class.from_pretrained(tmp_path / "fsdp")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# ZeRO-3: processes that generate different numbers of tokens
+# ---------------------------------------------------------------------------------------------------------------
+UNEVEN_GENERATION = '''"""Test-only driver (written by sharded_test.py): runs ppo_multinode.py's `main` as its
+`__main__` does, but process 0 generates at most 2 new tokens per call (as if all its rows drew the stop token there:
+`rollout` pads the responses with the pad token, which is this tokenizer's EOS), while the others generate up
+to --response_length. With UNEVEN_SYNCED=0 it also turns synced generation off (`synced_gpus=False`), as a script
+that did not keep generation in step would. Each process writes how many new tokens each of its `generate` calls
+made to $UNEVEN_REPORT_DIR/rank<r>.json.
+"""
+import copy
+import json
+import os
+import sys
+
+import torch
+import tyro
+
+sys.path.insert(0, os.getcwd())
+import ppo_multinode  # noqa: E402
+
+original_generate_with = ppo_multinode.generate_with
+lengths = []
+
+
+def generate_with(model, generation_config, **inputs):
+    rank = torch.distributed.get_rank()
+    if rank == 0:
+        generation_config = copy.deepcopy(generation_config)
+        generation_config.max_new_tokens = 2
+    if os.environ["UNEVEN_SYNCED"] == "0":
+        inputs["synced_gpus"] = False
+    out = original_generate_with(model, generation_config, **inputs)
+    lengths.append(out.shape[1] - inputs["input_ids"].shape[1])
+    with open(os.path.join(os.environ["UNEVEN_REPORT_DIR"], f"rank{rank}.json"), "w") as f:
+        json.dump(lengths, f)
+    return out
+
+
+ppo_multinode.generate_with = generate_with
+sys.argv = ["ppo_multinode.py", *sys.argv[1:]]
+ppo_multinode.run_as_command(ppo_multinode.main, tyro.cli(ppo_multinode.Args))
+'''
+
+
+@needs_deepspeed
+def test_zero3_uneven_generation_stays_in_step(tiny, tmp_path):  # noqa: F811
+    """Under ZeRO-3 every generation step gathers partitioned weights, a collective. Process 0 generates 2 new tokens
+    per call and process 1 six (the UNEVEN_GENERATION driver): ppo_multinode.py's synced generation keeps process 0
+    stepping until process 1 is done, and the 2-update run finishes. The same run with synced generation turned off
+    must fail, and fail fast: process 0 leaves generation and its next gathers no longer match process 1's (here
+    gloo sees the mismatched sizes at once, about 10 s in all; gathers that happened to match would hang until
+    --dist_timeout_s, 20 s), not a hang until the test's timeout. So the test tells the two apart."""
+    driver = tmp_path / "uneven_generation.py"
+    driver.write_text(UNEVEN_GENERATION)
+    outputs = {}
+    for synced in ("1", "0"):
+        name = f"synced{synced}"
+        report_dir = tmp_path / f"report_{name}"
+        report_dir.mkdir()
+        args = run_args(tiny, tmp_path / name, run_name=name, log_dir=tmp_path / "tb", dist_timeout_s=20)
+        cmd = ["python", str(driver), *[f"--{k}={v}" for k, v in args.items()]]
+        env = {"UNEVEN_SYNCED": synced, "UNEVEN_REPORT_DIR": str(report_dir)}
+        start = time.monotonic()
+        outputs[name] = launch_two("deepspeed_zero3", cmd, name, env, fails=synced == "0")
+        elapsed = time.monotonic() - start
+        lengths = [json.loads(path.read_text()) if path.exists() else [] for path in
+                   (report_dir / f"rank{rank}.json" for rank in (0, 1))]
+        assert lengths[0] and max(lengths[0]) <= 2, lengths
+        if synced == "1":  # the held-out evaluations before and after training and 2 rollouts, every one complete
+            assert len(lengths[0]) == len(lengths[1]) == 4 and min(lengths[1]) > 2, lengths
+            assert os.path.isfile(tmp_path / name / "model" / "model.safetensors")
+        else:  # process 1 never got its third token: process 0 had left generation and no longer gathered weights
+            assert lengths[1] == [] and not os.path.exists(tmp_path / name / "model"), lengths
+            assert elapsed < TIMEOUT / 2, f"the unsynced run took {elapsed:.0f} s to fail"
+    assert "error:" in outputs["synced0"] and "error:" not in outputs["synced1"]
+
+
+@pytest.mark.parametrize("config", [pytest.param("deepspeed_zero3", marks=needs_deepspeed), "fsdp"])
+def test_ppo_py_refuses_sharded_weights(config, tiny_model_dir, tiny_rm_dir, tmp_path):  # noqa: F811
+    """ppo.py does not keep generation in step across processes, so under ZeRO-3 and FSDP (sharded weights) it stops
+    at start with one `error:` line pointing to ppo_multinode.py, before writing anything."""
+    cmd = stage_command("ppo", tiny_model_dir, tiny_rm_dir, str(tmp_path / "out"), "refused")
+    if config == "fsdp":  # through the FSDP_ON_CPU driver, so that accelerate really sets up FSDP
+        driver = tmp_path / "fsdp_on_cpu.py"
+        driver.write_text(FSDP_ON_CPU)
+        cmd = [cmd[0], str(driver), *cmd[1:]]
+    env = {"ACCELERATE_USE_CPU": "true", "FSDP_REPORT_DIR": str(tmp_path)} if config == "fsdp" else {}
+    output = launch_two(config, cmd, "refused", env, fails=True)
+    lines = [line for line in output.splitlines() if line.startswith("error:")]
+    assert lines and all(line.startswith("error: ppo.py does not run under ZeRO-3 or FSDP") for line in lines), lines
+    assert "ppo_multinode.py" in lines[0] and not os.path.exists(tmp_path / "out")
