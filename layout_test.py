@@ -79,7 +79,8 @@ def numbers():
         out[f"{script}: lines above the plumbing banner"] = len(above.splitlines())
         out[f"{script}: main, lines"] = main_last - main_first + 1
         if script.startswith("ppo"):
-            loop = next(i for i, line in enumerate(source.splitlines(), 1) if line.startswith("    for update in range"))
+            lines = source.splitlines()
+            loop = next(i for i, line in enumerate(lines, 1) if line.startswith("    for update in range"))
             out[f"{script}: main loop starts at (fraction of the file)"] = round(loop / len(source.splitlines()), 3)
             out[f"{script}: step (7), lines"] = step_lines(source, "(7)")
     out["diff ppo.py ppo_multinode.py: changed lines"] = changed_lines(read("ppo.py"), read("ppo_multinode.py"))

@@ -23,6 +23,7 @@ The reward is a function of text, `reward_fn(samples, prompts, outputs, **kwargs
 samples[i] == prompts[i] + outputs[i] (special tokens such as EOS are not in the text): `--reward_fn model` (the
 reward model) or `--reward_fn my_module:my_function`, e.g. `imdb_rule_reward:positive_words` (a rule, no model).
 `kwargs` holds `query_responses` and `attention_mask`, the same samples as the policy's token ids, (N, Q+T) long.
+It is called under the run's autocast (`--mixed_precision`), and from the folder the script was started in.
 
 Follows: Schulman et al. 2017 "Proximal Policy Optimization Algorithms" (clipped objective); Schulman et al. 2016
 "High-Dimensional Continuous Control Using Generalized Advantage Estimation" (GAE); Ziegler et al. 2019
@@ -42,6 +43,7 @@ import os
 import shutil
 import signal
 import socket
+import sys
 import time
 from collections import defaultdict
 from dataclasses import dataclass
@@ -182,7 +184,7 @@ class Args:
 # Settings that do not change what is trained: a checkpoint may be resumed with other values for them.
 NOT_TRAINING_CONFIG = {"resume_from", "save_every", "save_total_limit", "checkpoint_dir", "run_name", "log_dir",
                        "output_dir", "overwrite_output_dir", "dist_timeout_s", "eval_every", "num_sample_generations",
-                       "max_approxkl"}
+                       "max_approxkl", "reward_batch_size"}
 
 
 def derive_sizes(args, num_processes):
@@ -237,13 +239,17 @@ def import_reward_fn(reward_fn, reward_model_path):
     `model`: the reward model must have a trained scalar head (`check_score_head`); returns None. Raises ValueError."""
     if reward_fn == "model":
         return check_score_head(reward_model_path, "--reward_model_path")
-    module_name, colon, function_name = reward_fn.partition(":")
+    module_name, _, function_name = reward_fn.partition(":")
+    if os.getcwd() not in sys.path:  # `python path/to/ppo.py` puts the script's folder there, not the working one
+        sys.path.append(os.getcwd())
     try:
-        assert colon, "not of the form module:function"
-        return getattr(importlib.import_module(module_name), function_name)
-    except (AssertionError, ImportError, AttributeError) as error:
-        raise ValueError(f"--reward_fn {reward_fn!r} cannot be loaded ({error}); use `model` or an importable "
-                         "module:function.") from error
+        function = getattr(importlib.import_module(module_name), function_name or "<missing>")
+    except Exception as error:  # ImportError, AttributeError, or the module's own SyntaxError and the like
+        raise ValueError(f"--reward_fn {reward_fn!r} cannot be loaded ({type(error).__name__}: {error}); use `model` "
+                         "or module:function of an importable module.") from error
+    if not callable(function):
+        raise ValueError(f"--reward_fn {reward_fn!r} is a {type(function).__name__}, not a function.")
+    return function
 
 
 def check_score_head(path, flag):
@@ -293,6 +299,14 @@ def load_models(args, plugged_reward, tokenizer, accelerator):
     reward_tokenizer = load_tokenizer(args.reward_model_path) if args.reward_fn == "model" else None
     same_tokens = reward_tokenizer is not None and reward_tokenizer.get_vocab() == tokenizer.get_vocab()
     value_model_path = args.value_model_path or (args.reward_model_path if same_tokens else args.sft_model_path)
+    if args.value_model_path is not None:  # it reads the policy's token ids and gives one value per token
+        source, gguf_file = resolve_model_source(args.value_model_path)
+        config = AutoConfig.from_pretrained(source, gguf_file=gguf_file)
+        head = any(name.endswith("ForSequenceClassification") for name in config.architectures or [])
+        same_vocabulary = load_tokenizer(args.value_model_path).get_vocab() == tokenizer.get_vocab()
+        if not same_vocabulary or (head and config.num_labels != 1):
+            raise ValueError(f"--value_model_path {args.value_model_path!r}: a value model needs the policy's "
+                             "tokenizer and one output (a scalar head, or a causal LM, which gets one).")
     policy = load_model(args.sft_model_path, AutoModelForCausalLM)
     ref_policy = load_model(args.sft_model_path, AutoModelForCausalLM).requires_grad_(False).eval()
     value_model = load_model(value_model_path, AutoModelForSequenceClassification, num_labels=1)
@@ -318,8 +332,9 @@ def make_model_reward(reward_model, reward_tokenizer, same_tokens, batch_size):
     `same_tokens`: the reward model uses the policy's vocabulary (reward.py's do). It then scores the policy's own
     token ids (`kwargs["query_responses"]`, `kwargs["attention_mask"]`): decoding and re-tokenizing is not lossless
     (sampled "hel" + "lo" come back as one token "hello", and the EOS the reward model was trained to read is not in
-    the text). Otherwise the text is tokenized with the reward model's tokenizer, with its special tokens (BERT's
-    [CLS] ... [SEP]); a sample too long for it loses its beginning, so that the response is kept.
+    the text). Otherwise the text is tokenized with the reward model's tokenizer: for a decoder (`score` head) as
+    reward.py trains one, no special tokens and EOS last; for an encoder (BERT) with its [CLS] ... [SEP]. A sample too
+    long for it loses its beginning, so that the response is kept.
     """
     device = next(reward_model.parameters()).device
     reward_tokenizer.truncation_side = "left"
@@ -330,7 +345,10 @@ def make_model_reward(reward_model, reward_tokenizer, same_tokens, batch_size):
         for i in range(0, len(samples), batch_size):
             if same_tokens:
                 ids, mask = query_responses[i : i + batch_size], attention_mask[i : i + batch_size]
-            else:
+            elif hasattr(reward_model, "score"):  # a decoder RM, reward.py's format: no special tokens, EOS at the end
+                batch = reward_tokenizer([s + reward_tokenizer.eos_token for s in samples[i : i + batch_size]],
+                                         add_special_tokens=False, padding=True, truncation=True, return_tensors="pt")
+            else:  # an encoder RM (BERT): its own special tokens ([CLS] ... [SEP])
                 batch = reward_tokenizer(samples[i : i + batch_size], padding=True, truncation=True,
                                          return_tensors="pt")
                 ids, mask = batch["input_ids"], batch["attention_mask"]
@@ -683,8 +701,9 @@ def ppo_epochs(accelerator, model, optimizer, scheduler, rollouts, args, update)
                     if accelerator.sync_gradients:
                         grad_norm = accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
                         # After the all-reduce, a NaN on any process is in every process's gradients: all stop.
-                        # (fp16's loss scaler skips a step whose gradients overflow: that one is not an error)
-                        if grad_norm is not None and not math.isfinite(grad_norm) and accelerator.scaler is None:
+                        # (fp16's loss scaling skips a step whose gradients overflow: that one is not an error)
+                        fp16 = accelerator.mixed_precision == "fp16"
+                        if grad_norm is not None and not math.isfinite(grad_norm) and not fp16:
                             raise FloatingPointError(f"update {update}: non-finite gradient (epoch {epoch}, "
                                                      f"minibatch {mb}): a loss was NaN or infinite on some process.")
                     optimizer.step()  # a no-op until the U-th microbatch
@@ -759,8 +778,8 @@ def batch_metrics(accelerator, stats, kl_coef, scores, kl, logprobs, values, ret
 
 
 def check_divergence(metrics, max_approxkl, update):
-    """Raise FloatingPointError when the update's mean approxkl exceeds `--max_approxkl` (None: never)."""
-    if max_approxkl is not None and metrics["ppo/policy/approxkl_avg"] > max_approxkl:
+    """Raise FloatingPointError when the update's mean approxkl exceeds `--max_approxkl` or is NaN (None: never)."""
+    if max_approxkl is not None and not metrics["ppo/policy/approxkl_avg"] <= max_approxkl:
         raise FloatingPointError(f"update {update}: the policy diverged (approxkl "
                                  f"{metrics['ppo/policy/approxkl_avg']:.3g} > --max_approxkl {max_approxkl}); nothing "
                                  "of this update was saved. Start a new run with a lower --learning_rate (resuming "
@@ -1261,21 +1280,28 @@ def make_accelerator(args):
                               kwargs_handlers=[process_group_kwargs(args.dist_timeout_s)])
     logger.info(f"mixed precision: {accelerator.mixed_precision} (--mixed_precision {args.mixed_precision})",
                 main_process_only=True)
+    if accelerator.mixed_precision == "fp16" and accelerator.device.type == "cpu":  # accelerate would run float32
+        raise ValueError("fp16 mixed precision does not run on the CPU (accelerate ignores it there); use "
+                         "--mixed_precision bf16 or no.")
     args.mixed_precision = accelerator.mixed_precision  # what a resumed run must match, not `auto`
     return accelerator
 
 
 def choose_precision(choice):
     """`--mixed_precision` resolved to one of accelerate's `no`, `bf16`, `fp16`; raises ValueError on another value.
-    `auto`: the launcher's choice when `accelerate launch` set one (ACCELERATE_MIXED_PRECISION), else bf16 on a CUDA
-    GPU that supports it or a CPU whose flags (/proc/cpuinfo) include avx512_bf16 or amx_bf16, else `no`."""
+    `auto`: the launcher's choice when `accelerate launch` set one (ACCELERATE_MIXED_PRECISION; with no flag and no
+    config it sets `no`), else bf16 on a CUDA device that supports it or a CPU whose flags (/proc/cpuinfo) include
+    avx512_bf16 or amx_bf16, else `no`."""
     if choice not in ("auto", "no", "bf16", "fp16"):
         raise ValueError(f"--mixed_precision {choice!r}: use auto, no, bf16 or fp16.")
     if choice != "auto":
         return choice
-    if os.environ.get("ACCELERATE_MIXED_PRECISION"):
-        return os.environ["ACCELERATE_MIXED_PRECISION"]
-    if torch.cuda.is_available():
+    launcher = os.environ.get("ACCELERATE_MIXED_PRECISION")
+    if launcher:
+        if launcher not in ("no", "bf16", "fp16"):
+            raise ValueError(f"accelerate launch --mixed_precision {launcher!r}: the scripts run no, bf16 or fp16.")
+        return launcher
+    if PartialState().device.type == "cuda":  # the device this run uses (a CPU run on a GPU host is a CPU run)
         return "bf16" if torch.cuda.is_bf16_supported() else "no"
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as f:
@@ -1532,8 +1558,9 @@ def load_checkpoint(accelerator, resume_from, checkpoint_dir, config):
         differ = sorted(k for k in config.keys() | state["config"].keys()
                         if config.get(k) != state["config"].get(k))
         if differ:
-            raise ValueError(f"checkpoint {path[0]} was made with a different config ({', '.join(differ)}); resume "
-                             "with the same settings or start a new run.")
+            values = ", ".join(f"{k} {state['config'].get(k)!r} there, {config.get(k)!r} now" for k in differ)
+            raise ValueError(f"checkpoint {path[0]} was made with a different config ({values}); resume with the "
+                             "same settings or start a new run.")
         try:
             accelerator.load_state(path[0])
         except Exception as error:  # a truncated or corrupt file: torch and safetensors raise many kinds

@@ -24,7 +24,7 @@ Run it (after `python sft.py`: its output folder is this script's default model)
     accelerate launch --config_file configs/fsdp.yaml reward.py               # 8 GPUs, FSDP (version 1)
     # DeepSpeed without GPUs (its CPU accelerator, gloo; no ACCELERATE_USE_CPU, which would mean DDP): tested
     # equal to DDP on 2 processes, ZeRO-2 and ZeRO-3 (sharded_test.py); FSDP too, through a test-only driver
-    accelerate launch --config_file configs/deepspeed_zero2.yaml --mixed_precision no --num_processes 2 reward.py
+    accelerate launch --config_file configs/deepspeed_zero2.yaml --num_processes 2 reward.py
 Anthropic HH, harmless-base (1,849 training pairs, 463 held out). Its dialogues run to hundreds of tokens: on CPU
 keep the last 64 prompt tokens and cut the run to 20 steps (~5 minutes on 2 cores, held-out accuracy ~0.6); on a
 GPU raise them (e.g. --max_prompt_length 192 --max_length 256 --max_steps 230, one epoch) and drop the eval flags:
@@ -333,8 +333,12 @@ def main(args: Args):
         raise ValueError(f"dataset {args.dataset_name!r} has an empty held-out split; add rows or a `test` split.")
     held_out = held_out.select(range(min(args.eval_samples, len(held_out))))
     train_pairs = tokenize_pairs(train.to_dict(), tokenizer, args.max_prompt_length, args.max_length)
-    # Each process evaluates every world-th held-out pair; sums and counts are reduced across processes.
-    eval_pairs = tokenize_pairs(held_out.to_dict(), tokenizer, args.max_prompt_length, args.max_length)[rank::world]
+    # Each process evaluates every world-th held-out pair, all as many (under ZeRO-3 and FSDP each forward pass is a
+    # collective); sums and counts are reduced across processes.
+    if len(held_out) < world:
+        raise ValueError(f"--eval_samples {len(held_out)} is below the {world} processes: give each at least one.")
+    eval_pairs = tokenize_pairs(held_out.to_dict(), tokenizer, args.max_prompt_length, args.max_length)
+    eval_pairs = eval_pairs[rank::world][: len(held_out) // world]
 
     # --- 2. model, optimizer, schedule ------------------------------------------------------------------------------
     model = load_model(args.model_name_or_path, AutoModelForSequenceClassification, num_labels=1)
@@ -409,8 +413,9 @@ def main(args: Args):
                 if accelerator.sync_gradients:
                     grad_norm = accelerator.clip_grad_norm_(reward_model.parameters(), args.max_grad_norm)
                     # After the gradient all-reduce: a NaN on any process is on all of them, and all stop together.
-                    # (fp16's loss scaler skips a step whose gradients overflow: that one is not an error)
-                    if grad_norm is not None and not math.isfinite(grad_norm) and accelerator.scaler is None:
+                    # (fp16's loss scaling skips a step whose gradients overflow: that one is not an error)
+                    fp16 = accelerator.mixed_precision == "fp16"
+                    if grad_norm is not None and not math.isfinite(grad_norm) and not fp16:
                         raise FloatingPointError(f"step {step + 1}: non-finite gradient (a loss was NaN or infinite "
                                                  "on some process).")
                 optimizer.step()  # a no-op until the U-th microbatch
@@ -796,21 +801,28 @@ def make_accelerator(args):
                               kwargs_handlers=[process_group_kwargs(args.dist_timeout_s)])
     logger.info(f"mixed precision: {accelerator.mixed_precision} (--mixed_precision {args.mixed_precision})",
                 main_process_only=True)
+    if accelerator.mixed_precision == "fp16" and accelerator.device.type == "cpu":  # accelerate would run float32
+        raise ValueError("fp16 mixed precision does not run on the CPU (accelerate ignores it there); use "
+                         "--mixed_precision bf16 or no.")
     args.mixed_precision = accelerator.mixed_precision  # what a resumed run must match, not `auto`
     return accelerator
 
 
 def choose_precision(choice):
     """`--mixed_precision` resolved to one of accelerate's `no`, `bf16`, `fp16`; raises ValueError on another value.
-    `auto`: the launcher's choice when `accelerate launch` set one (ACCELERATE_MIXED_PRECISION), else bf16 on a CUDA
-    GPU that supports it or a CPU whose flags (/proc/cpuinfo) include avx512_bf16 or amx_bf16, else `no`."""
+    `auto`: the launcher's choice when `accelerate launch` set one (ACCELERATE_MIXED_PRECISION; with no flag and no
+    config it sets `no`), else bf16 on a CUDA device that supports it or a CPU whose flags (/proc/cpuinfo) include
+    avx512_bf16 or amx_bf16, else `no`."""
     if choice not in ("auto", "no", "bf16", "fp16"):
         raise ValueError(f"--mixed_precision {choice!r}: use auto, no, bf16 or fp16.")
     if choice != "auto":
         return choice
-    if os.environ.get("ACCELERATE_MIXED_PRECISION"):
-        return os.environ["ACCELERATE_MIXED_PRECISION"]
-    if torch.cuda.is_available():
+    launcher = os.environ.get("ACCELERATE_MIXED_PRECISION")
+    if launcher:
+        if launcher not in ("no", "bf16", "fp16"):
+            raise ValueError(f"accelerate launch --mixed_precision {launcher!r}: the scripts run no, bf16 or fp16.")
+        return launcher
+    if PartialState().device.type == "cuda":  # the device this run uses (a CPU run on a GPU host is a CPU run)
         return "bf16" if torch.cuda.is_bf16_supported() else "no"
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as f:
@@ -1067,8 +1079,9 @@ def load_checkpoint(accelerator, resume_from, checkpoint_dir, config):
         differ = sorted(k for k in config.keys() | state["config"].keys()
                         if config.get(k) != state["config"].get(k))
         if differ:
-            raise ValueError(f"checkpoint {path[0]} was made with a different config ({', '.join(differ)}); resume "
-                             "with the same settings or start a new run.")
+            values = ", ".join(f"{k} {state['config'].get(k)!r} there, {config.get(k)!r} now" for k in differ)
+            raise ValueError(f"checkpoint {path[0]} was made with a different config ({values}); resume with the "
+                             "same settings or start a new run.")
         try:
             accelerator.load_state(path[0])
         except Exception as error:  # a truncated or corrupt file: torch and safetensors raise many kinds

@@ -20,7 +20,7 @@ Run it:
     accelerate launch --config_file configs/fsdp.yaml sft.py               # 8 GPUs, FSDP (version 1)
     # DeepSpeed without GPUs (its CPU accelerator, gloo; no ACCELERATE_USE_CPU, which would mean DDP): tested
     # equal to DDP on 2 processes, ZeRO-2 and ZeRO-3 (sharded_test.py); FSDP too, through a test-only driver
-    accelerate launch --config_file configs/deepspeed_zero2.yaml --mixed_precision no --num_processes 2 sft.py
+    accelerate launch --config_file configs/deepspeed_zero2.yaml --num_processes 2 sft.py
     python sft.py --dataset_name ../shared/data/hh-rlhf/harmless-base-test.jsonl.gz --output_dir runs/hh/sft
 
 Follows: Ouyang et al. 2022 "Training language models to follow instructions with human feedback" (InstructGPT),
@@ -283,8 +283,11 @@ def main(args: Args):
 
     train_rows = encode(train)
     collate = lambda examples: collate_sft(examples, tokenizer.pad_token_id)  # noqa: E731
-    # Each process evaluates every world-th held-out row; sums and counts are reduced across processes.
-    eval_loader = torch.utils.data.DataLoader(encode(held_out)[rank::world],
+    # Each process evaluates every world-th held-out row, all as many (under ZeRO-3 and FSDP each forward pass is a
+    # collective); sums and counts are reduced across processes.
+    if len(held_out) < world:
+        raise ValueError(f"--eval_samples {len(held_out)} is below the {world} processes: give each at least one.")
+    eval_loader = torch.utils.data.DataLoader(encode(held_out)[rank::world][: len(held_out) // world],
                                               batch_size=args.per_device_train_batch_size, collate_fn=collate)
 
     # --- 2. model, optimizer, schedule ------------------------------------------------------------------------------
@@ -355,8 +358,9 @@ def main(args: Args):
                 if accelerator.sync_gradients:
                     grad_norm = accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
                     # After the gradient all-reduce: a NaN on any process is on all of them, and all stop together.
-                    # (fp16's loss scaler skips a step whose gradients overflow: that one is not an error)
-                    if grad_norm is not None and not math.isfinite(grad_norm) and accelerator.scaler is None:
+                    # (fp16's loss scaling skips a step whose gradients overflow: that one is not an error)
+                    fp16 = accelerator.mixed_precision == "fp16"
+                    if grad_norm is not None and not math.isfinite(grad_norm) and not fp16:
                         raise FloatingPointError(f"step {step + 1}: non-finite gradient (a loss was NaN or infinite "
                                                  "on some process).")
                 optimizer.step()  # a no-op until the U-th microbatch
@@ -733,21 +737,28 @@ def make_accelerator(args):
                               kwargs_handlers=[process_group_kwargs(args.dist_timeout_s)])
     logger.info(f"mixed precision: {accelerator.mixed_precision} (--mixed_precision {args.mixed_precision})",
                 main_process_only=True)
+    if accelerator.mixed_precision == "fp16" and accelerator.device.type == "cpu":  # accelerate would run float32
+        raise ValueError("fp16 mixed precision does not run on the CPU (accelerate ignores it there); use "
+                         "--mixed_precision bf16 or no.")
     args.mixed_precision = accelerator.mixed_precision  # what a resumed run must match, not `auto`
     return accelerator
 
 
 def choose_precision(choice):
     """`--mixed_precision` resolved to one of accelerate's `no`, `bf16`, `fp16`; raises ValueError on another value.
-    `auto`: the launcher's choice when `accelerate launch` set one (ACCELERATE_MIXED_PRECISION), else bf16 on a CUDA
-    GPU that supports it or a CPU whose flags (/proc/cpuinfo) include avx512_bf16 or amx_bf16, else `no`."""
+    `auto`: the launcher's choice when `accelerate launch` set one (ACCELERATE_MIXED_PRECISION; with no flag and no
+    config it sets `no`), else bf16 on a CUDA device that supports it or a CPU whose flags (/proc/cpuinfo) include
+    avx512_bf16 or amx_bf16, else `no`."""
     if choice not in ("auto", "no", "bf16", "fp16"):
         raise ValueError(f"--mixed_precision {choice!r}: use auto, no, bf16 or fp16.")
     if choice != "auto":
         return choice
-    if os.environ.get("ACCELERATE_MIXED_PRECISION"):
-        return os.environ["ACCELERATE_MIXED_PRECISION"]
-    if torch.cuda.is_available():
+    launcher = os.environ.get("ACCELERATE_MIXED_PRECISION")
+    if launcher:
+        if launcher not in ("no", "bf16", "fp16"):
+            raise ValueError(f"accelerate launch --mixed_precision {launcher!r}: the scripts run no, bf16 or fp16.")
+        return launcher
+    if PartialState().device.type == "cuda":  # the device this run uses (a CPU run on a GPU host is a CPU run)
         return "bf16" if torch.cuda.is_bf16_supported() else "no"
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as f:
@@ -1004,8 +1015,9 @@ def load_checkpoint(accelerator, resume_from, checkpoint_dir, config):
         differ = sorted(k for k in config.keys() | state["config"].keys()
                         if config.get(k) != state["config"].get(k))
         if differ:
-            raise ValueError(f"checkpoint {path[0]} was made with a different config ({', '.join(differ)}); resume "
-                             "with the same settings or start a new run.")
+            values = ", ".join(f"{k} {state['config'].get(k)!r} there, {config.get(k)!r} now" for k in differ)
+            raise ValueError(f"checkpoint {path[0]} was made with a different config ({values}); resume with the "
+                             "same settings or start a new run.")
         try:
             accelerator.load_state(path[0])
         except Exception as error:  # a truncated or corrupt file: torch and safetensors raise many kinds

@@ -171,11 +171,14 @@ def test_ppo_multinode_equals_ddp(config, tiny, tmp_path):  # noqa: F811
 def test_zero3_equals_ddp(stage, tiny_model_dir, tiny_rm_dir, tmp_path):  # noqa: F811
     """ZeRO-3 (parameters partitioned too) takes the same steps as DDP: sft.py (which generates its tensorboard
     samples on every process, in step) and reward.py (whose new score head is drawn on the whole parameter), 6
-    steps of the tiny model on 2 processes; the saved model is gathered whole and loads with from_pretrained."""
+    steps of the tiny model on 2 processes; the saved model is gathered whole and loads with from_pretrained.
+    9 held-out rows: each process evaluates 4 (as many as the other: with 5 and 4 batches of 1 row each process
+    would wait in a collective the other never joins)."""
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
+    uneven = ["--eval_samples", "9", "--per_device_train_batch_size", "1", "--gradient_accumulation_steps", "2"]
     for name, config in (("ddp", None), ("zero3", "deepspeed_zero3")):
-        launch_two(config, stage_command(stage, tiny_model_dir, tiny_rm_dir, str(tmp_path / name), name), name)
+        launch_two(config, stage_command(stage, tiny_model_dir, tiny_rm_dir, str(tmp_path / name), name, uneven), name)
     assert assert_same_scalars(str(tmp_path / "tb"), "ddp", "zero3", set(range(7))) >= 12
     assert_same_saved_weights(str(tmp_path / "ddp"), str(tmp_path / "zero3"))
     model_class = AutoModelForSequenceClassification if stage == "reward" else AutoModelForCausalLM

@@ -165,7 +165,8 @@ class FakeAccelerator:
 
     def __init__(self, rank, world, accumulation_steps):
         self.process_index, self.num_processes, self.device = rank, world, torch.device("cpu")
-        self.steps, self.accumulation_steps, self.sync_gradients, self.scaler = 0, accumulation_steps, False, None
+        self.steps, self.accumulation_steps, self.sync_gradients = 0, accumulation_steps, False
+        self.mixed_precision = "no"
 
     def reduce(self, tensor, reduction):
         return tensor
