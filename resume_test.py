@@ -325,4 +325,5 @@ def test_resume_with_another_config_is_refused(tiny_model_dir, tiny_rm_dir, tmp_
     proc = run(stage_command("sft", tiny_model_dir, tiny_rm_dir, out, "b",
                              ["--resume_from", "latest", "--learning_rate", "0.1"]), check=False)
     last = proc.stdout.strip().splitlines()[-1]
-    assert proc.returncode != 0 and "different config (learning_rate)" in last, last
+    # the refusal names the setting and both values (the checkpoint's, this run's)
+    assert proc.returncode != 0 and "different config (learning_rate 5e-05 there, 0.1 now)" in last, last
