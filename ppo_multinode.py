@@ -272,14 +272,19 @@ def check_score_head(path, flag):
     optimise noise."""
     source, gguf_file = resolve_model_source(path)
     config = AutoConfig.from_pretrained(source, gguf_file=gguf_file)
-    architectures = config.architectures or []
-    if not any(name.endswith("ForSequenceClassification") for name in architectures):
-        kind = ", ".join(architectures) or "no stated architecture"
+    if not has_score_head(config):
+        kind = ", ".join(config.architectures or []) or "no stated architecture"
         raise ValueError(f"{flag} {path!r} has no trained score head (its checkpoint: {kind}); pass reward.py's "
                          "output or another sequence-classification model with one output.")
     if config.num_labels != 1:
         raise ValueError(f"{flag} {path!r} has a head with {config.num_labels} outputs; a reward model gives one "
                          "score per sequence (num_labels 1).")
+
+
+def has_score_head(config):
+    """Whether a checkpoint's config names a sequence-classification architecture, i.e. the checkpoint holds a trained
+    scalar head. Any other checkpoint loaded as a sequence classifier gets a random head from transformers, silently."""
+    return any(name.endswith("ForSequenceClassification") for name in config.architectures or [])
 
 
 def load_prompts(args, tokenizer, process_index, num_processes):
@@ -318,16 +323,15 @@ def load_models(args, plugged_reward, tokenizer, accelerator):
     if args.value_model_path is not None:  # it reads the policy's token ids and gives one value per token
         source, gguf_file = resolve_model_source(args.value_model_path)
         config = AutoConfig.from_pretrained(source, gguf_file=gguf_file)
-        head = any(name.endswith("ForSequenceClassification") for name in config.architectures or [])
         same_vocabulary = load_tokenizer(args.value_model_path).get_vocab() == tokenizer.get_vocab()
-        if not same_vocabulary or (head and config.num_labels != 1):
+        if not same_vocabulary or (has_score_head(config) and config.num_labels != 1):
             raise ValueError(f"--value_model_path {args.value_model_path!r}: a value model needs the policy's "
                              "tokenizer and one output (a scalar head, or a causal LM, which gets one).")
     with whole_model_loading(accelerator):
         policy = load_model(args.sft_model_path, AutoModelForCausalLM)
         ref_policy = load_model(args.sft_model_path, AutoModelForCausalLM).requires_grad_(False).eval()
         value_model = load_model(value_model_path, AutoModelForSequenceClassification, num_labels=1)
-    if not any(name.endswith("ForSequenceClassification") for name in value_model.config.architectures or []):
+    if not has_score_head(value_model.config):
         torch.nn.init.normal_(value_model.score.weight, std=1 / math.sqrt(value_model.score.in_features + 1),
                               generator=torch.Generator().manual_seed(args.seed))
     logger.info(f"value model from {value_model_path}", main_process_only=True)
