@@ -4,8 +4,9 @@
     python layout_test.py               # prints the numbers behind each check (README, "Layout")
 
 Every script reads: docstring, imports, `Args`, the stage's own helpers in the order `main` first mentions them,
-`main`, one banner, the plumbing block (the same text in all four scripts), `__main__`. The PPO scripts differ only
-where scaling out needs it.
+`main`, one banner, the stage's own plumbing (PPO: sizes, reward function, prompts, models; none in sft.py and
+reward.py), the shared plumbing (the same text in all four scripts), `__main__`. The PPO scripts differ only where
+scaling out needs it.
 """
 
 import ast
@@ -18,6 +19,7 @@ import pytest
 HERE = os.path.dirname(os.path.abspath(__file__))
 SCRIPTS = ["sft.py", "reward.py", "ppo.py", "ppo_multinode.py"]
 BANNER = "# Plumbing:"
+SHARED = "# --- shared plumbing:"
 
 
 def read(script):
@@ -26,11 +28,14 @@ def read(script):
 
 
 def split_at_banner(source):
-    """`(above, plumbing)`: the text above the banner's first line, and the block from the banner to `__main__`."""
+    """`(above, own, shared)`: the text above the banner's first line, the stage's own plumbing (banner included),
+    and the shared block from its `# --- shared plumbing:` line to `__main__`."""
     lines = source.splitlines(keepends=True)
     start = next(i for i, line in enumerate(lines) if line.startswith(BANNER)) - 1  # the rule line above it
+    shared = next(i for i, line in enumerate(lines) if line.startswith(SHARED))
     end = next(i for i, line in enumerate(lines) if line.startswith('if __name__ == "__main__":'))
-    return "".join(lines[:start]), "".join(lines[start:end])
+    assert start < shared < end, "the banner, then the shared block, then __main__"
+    return "".join(lines[:start]), "".join(lines[start:shared]), "".join(lines[shared:end])
 
 
 def top_level(source):
@@ -73,7 +78,7 @@ def numbers():
     out = {}
     for script in SCRIPTS:
         source = read(script)
-        above, _ = split_at_banner(source)
+        above, _, _ = split_at_banner(source)
         defined = top_level(source)
         main_first, main_last = defined["main"]
         out[f"{script}: lines above the plumbing banner"] = len(above.splitlines())
@@ -88,7 +93,7 @@ def numbers():
 
 
 def test_plumbing_block_is_the_same_in_every_script():
-    blocks = {script: split_at_banner(read(script))[1] for script in SCRIPTS}
+    blocks = {script: split_at_banner(read(script))[2] for script in SCRIPTS}
     assert len(set(blocks.values())) == 1, "the plumbing blocks differ"
     assert len(blocks["ppo.py"].splitlines()) > 300  # the check compares something real
 
@@ -96,11 +101,17 @@ def test_plumbing_block_is_the_same_in_every_script():
 @pytest.mark.parametrize("script", SCRIPTS)
 def test_plumbing_block_has_nothing_the_script_does_not_use(script):
     source = read(script)
-    above, plumbing = split_at_banner(source)
-    defined = top_level(plumbing)
-    for name in defined:
+    _, own, shared = split_at_banner(source)
+    for name in top_level(own + shared):
         uses = len(re.findall(rf"\b{name}\b", source)) - 1  # minus its own definition
         assert uses > 0, f"{script}: {name} (plumbing) is never used"
+
+
+def test_own_plumbing_is_loading_and_checks_only_in_the_ppo_twins():
+    """sft.py and reward.py have no plumbing of their own; the PPO twins' own plumbing holds the same functions."""
+    own = {script: top_level(split_at_banner(read(script))[1]) for script in SCRIPTS}
+    assert not own["sft.py"] and not own["reward.py"]
+    assert "load_models" in own["ppo.py"] and set(own["ppo.py"]) <= set(own["ppo_multinode.py"])
 
 
 @pytest.mark.parametrize("script", SCRIPTS)
@@ -120,6 +131,8 @@ def test_ppo_main_reads_in_one_screenful_of_steps(script):
     found = numbers()
     assert found[f"{script}: main loop starts at (fraction of the file)"] <= 0.6
     assert found[f"{script}: main, lines"] <= 150
+    if script == "ppo.py":
+        assert found["ppo.py: lines above the plumbing banner"] <= 650
     assert found[f"{script}: step (7), lines"] <= 15
 
 

