@@ -35,13 +35,14 @@ ACCELERATE = [sys.executable, "-m", "accelerate.commands.launch"]
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# fixtures: tiny random models (policy, a same-tokenizer RM, a BERT RM with its own tokenizer) and a prompt file
+# fixtures: tiny random models (policy, a same-tokenizer RM, RMs with their own tokenizer) and a prompt file
 # ---------------------------------------------------------------------------------------------------------------
 @pytest.fixture(scope="session")
 def tiny(tmp_path_factory):
     """Folders `policy` (random 2-layer, 64-wide LlamaForCausalLM + the SmolLM2 tokenizer), `rm` (an untrained
     LlamaForSequenceClassification of the same config, one label, reward_bias 0.25, same tokenizer), `bert_rm` (a
-    random BertForSequenceClassification with a WordPiece tokenizer built here, reward_bias -0.5) and a
+    random BertForSequenceClassification with a WordPiece tokenizer built here, reward_bias -0.5), `decoder_rm` (a
+    random LlamaForSequenceClassification over that WordPiece vocabulary, [SEP] as its EOS, reward_bias 0.75) and a
     `prompts.jsonl` file with a `prompt` column."""
     from transformers import (BertConfig, BertForSequenceClassification, BertTokenizerFast, LlamaConfig,
                               LlamaForCausalLM, LlamaForSequenceClassification)
@@ -76,6 +77,13 @@ def tiny(tmp_path_factory):
     bert.config.reward_bias = -0.5
     bert.save_pretrained(root / "bert_rm")
     bert_tokenizer.save_pretrained(root / "bert_rm")
+    decoder = LlamaForSequenceClassification(LlamaConfig(
+        vocab_size=len(vocab), hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=1, max_position_embeddings=64, pad_token_id=0, num_labels=1, initializer_range=0.2))
+    decoder.config.reward_bias = 0.75
+    decoder.save_pretrained(root / "decoder_rm")
+    BertTokenizerFast(vocab=str(root / "bert_vocab.txt"), model_max_length=64, eos_token="[SEP]").save_pretrained(
+        root / "decoder_rm")
 
     with open(root / "prompts.jsonl", "w") as f:
         for i in range(40):
@@ -480,6 +488,29 @@ def test_reward_model_with_its_own_tokenizer(tiny, tmp_path, monkeypatch):
         torch.testing.assert_close(part["scores"], direct, atol=1e-5, rtol=1e-5)
     value_head = AutoModelForSequenceClassification.from_pretrained(tmp_path / "model" / "value_model").score.weight
     assert 0.09 < value_head.std().item() < 0.16  # N(0, 1/(64+1)): std 0.124; transformers' own init gives 0.02
+
+
+def test_decoder_reward_model_with_its_own_tokenizer(tiny, tmp_path, monkeypatch):
+    """A decoder reward model (`score` head) with another vocabulary than the policy's scores the decoded text in
+    reward.py's format: its own tokens, no special tokens, its EOS last. Checked against transformers' own pooling."""
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    calls = record_scores(monkeypatch)
+    ppo_multinode.main(ppo_multinode.Args(**run_args(tiny, tmp_path, reward_model_path=str(tiny / "decoder_rm")),
+                                          reward_batch_size=3))
+    rm = AutoModelForSequenceClassification.from_pretrained(tiny / "decoder_rm").eval()
+    rm_tokenizer = AutoTokenizer.from_pretrained(tiny / "decoder_rm", truncation_side="left")
+    for update in (1, 2):
+        part = calls[update]
+        samples = [p + o + "[SEP]" for p, o in zip(part["prompts"], part["outputs"])]
+        batch = rm_tokenizer(samples, add_special_tokens=False, padding=True, truncation=True, return_tensors="pt")
+        last = batch["attention_mask"].sum(1) - 1  # right padding: the last real token of each row
+        assert batch["input_ids"][torch.arange(len(last)), last].eq(rm_tokenizer.sep_token_id).all()
+        assert not batch["input_ids"].eq(rm_tokenizer.cls_token_id).any()
+        with torch.no_grad():
+            direct = rm(**batch).logits[:, 0] + 0.75  # pooled at the last non-pad token; config.reward_bias
+        assert part["scores"].std() > 1e-3
+        torch.testing.assert_close(part["scores"], direct, atol=1e-5, rtol=1e-5)
 
 
 RECORDED_CALLS = []

@@ -919,6 +919,7 @@ def make_model_reward(reward_model, reward_tokenizer, same_tokens, batch_size):
             else:  # an encoder RM (BERT): its own special tokens ([CLS] ... [SEP])
                 batch = reward_tokenizer(samples[i : i + batch_size], padding=True, truncation=True,
                                          return_tensors="pt")
+            if not same_tokens:
                 ids, mask = batch["input_ids"], batch["attention_mask"]
             scores += reward_model_scores(reward_model, ids.to(device), mask.to(device)).tolist()
         return scores
