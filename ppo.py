@@ -19,9 +19,9 @@ Run it (defaults read `sft.py`'s and `reward.py`'s default outputs):
     accelerate launch --config_file configs/deepspeed_zero2.yaml ppo.py  # 8 GPUs, ZeRO-2 (tested on 2 CPU processes)
     For ZeRO-3, FSDP and several nodes use ppo_multinode.py (README.md); ppo.py refuses ZeRO-3 and FSDP at start.
 
-The reward is a function of text: `--reward_fn model` (the reward model) or `module:function` of your own, e.g.
-`imdb_rule_reward:positive_words` (a rule, no model), called as `reward_fn(samples, prompts, outputs, **kwargs)
--> list[float]` (`import_reward_fn` gives the contract).
+The reward is a function of text, `--reward_fn model` (the reward model) or your own `module:function` such as
+`imdb_rule_reward:positive_words`: `reward_fn(samples, prompts, outputs, **kwargs) -> list[float]`, samples[i] ==
+prompts[i] + outputs[i] without special tokens; kwargs `query_responses`, `attention_mask`: the same as token ids.
 
 Follows: Schulman et al. 2017 "Proximal Policy Optimization Algorithms" (clipped objective); Schulman et al. 2016
 "High-Dimensional Continuous Control Using Generalized Advantage Estimation" (GAE); Ziegler et al. 2019
@@ -75,8 +75,7 @@ class Args:
     """The reward model (reward.py's output, or any sequence-classification model with one label): the frozen scorer
     for `--reward_fn model`. It may use another tokenizer than the policy."""
     reward_fn: str = "model"
-    """`model`: the reward model's score; `module:function`: your own function of text (module docstring), e.g.
-    `imdb_rule_reward:positive_words`."""
+    """`model`: the reward model's score; `module:function`: your function of text (imdb_rule_reward:positive_words)."""
     reward_batch_size: int = 32
     """Samples per reward-model forward pass (memory only)."""
     value_model_path: Optional[str] = None
@@ -159,12 +158,11 @@ class Args:
     save_total_limit: int = 2
     """Checkpoints kept (the newest); older ones are deleted after each save."""
     resume_from: str = ""
-    """A `checkpoint-<update>` folder, `latest`, or `auto` (latest if there is one, else start fresh: for requeued
-    jobs): continue that run exactly as if it had never stopped."""
+    """Continue a run exactly from a `checkpoint-<update>` folder, `latest`, or `auto` (latest if any, else start)."""
     mixed_precision: str = "auto"
     """`bf16`, `fp16` or `no` (float32) for the models' matrix products (accelerate's autocast); weights, optimizer
-    state, logprobs, values and losses stay float32. `auto`: the launcher's choice if it made one, else bf16 where the
-    hardware has it natively (CUDA with bf16, CPUs with AVX512-BF16 or AMX: 2-3x faster here), else `no`; logged."""
+    state, logprobs, values and losses stay float32. `auto`: `accelerate launch`'s --mixed_precision or config file if
+    set, else bf16 where the hardware multiplies in bf16 natively (CUDA; CPUs with AVX512-BF16 or AMX), else `no`."""
     dist_timeout_s: int = 900
     """Seconds a process waits in a collective before giving up (one failed process cannot hang the others)."""
     log_dir: str = "runs/tensorboard"
@@ -188,16 +186,15 @@ class PolicyAndValue(torch.nn.Module):
 
     def forward(self, query_responses, attention_mask, context_length, temperature):
         """Returns `(logprobs, all_logprobs, values)`: (B, T), (B, T, V), (B, T) float32, see `response_logprobs`."""
-        logprobs, all_logprobs = response_logprobs(self.policy, query_responses, attention_mask, context_length,
-                                                   temperature)
-        return logprobs, all_logprobs, token_values(self.value_model, query_responses, attention_mask, context_length)
+        return (*response_logprobs(self.policy, query_responses, attention_mask, context_length, temperature),
+                token_values(self.value_model, query_responses, attention_mask, context_length))
 
 
 def response_logprobs(model, query_responses, attention_mask, context_length, temperature):
     """Log-probabilities of the response tokens at sampling temperature: `logprobs` (B, T) and `all_logprobs`
     (B, T, V) float32, log_softmax(logits / temperature), of `query_responses`, `attention_mask` (B, Q+T) long with
-    `context_length` Q. The LM head runs only on the T positions that predict a response token (Q-1+t predicts Q+t).
-    The temperature makes these the probabilities the tokens were sampled with, which the PPO ratio compares."""
+    `context_length` Q. The LM head runs only on the T positions that predict a response token (position Q-1+t
+    predicts token Q+t). The temperature makes these the probabilities the tokens were sampled with, as PPO needs."""
     backbone = getattr(model, model.base_model_prefix)
     hidden = backbone(input_ids=query_responses, attention_mask=attention_mask,
                       position_ids=position_ids_from_mask(attention_mask), use_cache=False).last_hidden_state
@@ -216,19 +213,23 @@ def token_values(model, query_responses, attention_mask, context_length):
     return model.score(hidden[:, context_length - 1 : -1]).squeeze(-1).float()
 
 
+def position_ids_from_mask(attention_mask):
+    """Positions (B, L) long counting only real tokens: a left-padded row starts at position 0 on its first real
+    token, exactly as the same row would without padding. Padding positions get 0 (they are masked anyway)."""
+    return (attention_mask.cumsum(1) - 1).clamp(min=0)
+
+
 @torch.no_grad()
 def evaluate(accelerator, models, reward_fn, tokenizer, eval_queries, args, stop_token_id):
-    """Sample responses to the fixed held-out queries with a fixed seed; returns the metrics (mean score, mean
-    per-sequence KL to the reference, response length), reduced over all processes, and a few sample rows.
-    `models` = (policy, ref_policy, value_model); the scores come from `compute_scores`."""
-    policy = models[0]
+    """Sample and score (`compute_scores`) responses to the fixed held-out queries with a fixed seed; returns the
+    metrics over all processes (mean score, per-sequence KL to the reference, response length) and a few rows."""
     query_ids, query_mask = (t.to(accelerator.device) for t in eval_queries)
     # autocast: rollouts are sampled and scored in the precision the training forward runs in (accelerate autocasts
     # only the prepared model's own forward), so at learning rate 0 the PPO ratio is exactly 1.
     with torch.random.fork_rng(devices=[accelerator.device] if accelerator.device.type == "cuda" else []), \
             accelerator.autocast():
         torch.manual_seed(args.seed + 1000 + accelerator.process_index)  # same draws at every evaluation
-        responses = rollout(policy, query_ids, query_mask, args, stop_token_id, tokenizer.pad_token_id)
+        responses = rollout(models[0], query_ids, query_mask, args, stop_token_id, tokenizer.pad_token_id)
     response_mask = truncate_after_stop(responses, stop_token_id)
     with accelerator.autocast():
         out = rollout_forward_passes(models, query_ids, query_mask, responses, response_mask, args)
@@ -245,10 +246,9 @@ def evaluate(accelerator, models, reward_fn, tokenizer, eval_queries, args, stop
 
 
 def prompt_indices(update, num_prompts, batch_size, seed, process_index, num_processes):
-    """Indices (long) of the prompts this process answers in `update` (1-based): its slice of the global batch.
-    Pass p over the prompts follows a permutation seeded by `seed + p`, so an update's global batch depends only on
-    the update number: a resumed run, or one on another number of processes, sees the same prompts. Each pass skips
-    the prompts left over after its last full batch."""
+    """Indices (long) of the prompts this process answers in `update` (1-based), its slice of the global batch. Pass
+    p over the prompts is a permutation seeded by `seed + p` (its last partial batch dropped), so the global batch
+    depends only on the update: a resumed run, or one on another number of processes, sees the same prompts."""
     per_pass = num_prompts // batch_size
     epoch, k = divmod(update - 1, per_pass)
     order = torch.randperm(num_prompts, generator=torch.Generator().manual_seed(seed + epoch))
@@ -267,6 +267,18 @@ def rollout(policy, query_ids, query_mask, args, stop_token_id, pad_token_id):
     out = generate_with(policy, sampling, input_ids=query_ids, attention_mask=query_mask)
     responses = out[:, query_ids.shape[1]:]
     return F.pad(responses, (0, args.response_length - responses.shape[1]), value=pad_token_id)
+
+
+def generate_with(model, generation_config, **inputs):
+    """`model.generate(**inputs)` under `generation_config` and nothing else; returns what `generate` returns.
+    transformers fills every setting a config leaves unset from the checkpoint's `generation_config.json`, where
+    instruct models ship repetition penalties, min_p, bad words or minimum lengths: any would make the sampled
+    distribution differ from the logprobs PPO stores. The checkpoint's config is set aside for the call only."""
+    saved, model.generation_config = model.generation_config, generation_config
+    try:
+        return model.generate(**inputs, generation_config=generation_config)
+    finally:
+        model.generation_config = saved
 
 
 def truncate_after_stop(responses, stop_token_id):
@@ -297,11 +309,10 @@ def rollout_forward_passes(models, query_ids, query_mask, responses, response_ma
 
 
 def compute_scores(accelerator, reward_fn, tokenizer, query_ids, query_mask, responses, response_mask):
-    """Step (3)'s reward: this process's rollouts as text, scored by one `reward_fn` call. From `query_ids`,
-    `query_mask` (B, Q), `responses`, `response_mask` (B, T) long, the call gets the real tokens decoded without
-    special tokens, and `query_responses`, `attention_mask` (B, Q+T). Returns `(scores, (prompts, outputs), stats)`:
-    scores (B,) float32 on this device, stats `{"time/reward_call": s, "reward/batch_size": B}`. A return value that
-    is not B floats stops every process with one ValueError (`reward_problem`, `agree_on_error`)."""
+    """Step (3)'s reward: one `reward_fn` call on the real tokens of `query_ids`, `query_mask` (B, Q), `responses`,
+    `response_mask` (B, T) long, decoded without special tokens, with `query_responses`, `attention_mask` (B, Q+T).
+    Returns `(scores, (prompts, outputs), stats)`, scores (B,) float32 on this device, stats the call's time and size.
+    A return value that is not B floats stops every process with one ValueError (`reward_problem`)."""
     prompts = tokenizer.batch_decode([q[m.bool()] for q, m in zip(query_ids, query_mask)], skip_special_tokens=True)
     outputs = tokenizer.batch_decode([r[m.bool()] for r, m in zip(responses, response_mask)], skip_special_tokens=True)
     start = time.perf_counter()
@@ -491,8 +502,7 @@ def batch_metrics(accelerator, stats, kl_coef, scores, kl, logprobs, values, ret
 
 
 def main(args: Args):
-    """Run PPO end to end. Returns the held-out metrics before and after, every update's metrics and the last
-    update's per-(epoch, minibatch, microbatch) statistics."""
+    """Run PPO; returns the held-out metrics before and after, every update's metrics and the last one's stats."""
     logging.basicConfig(format="%(asctime)s %(levelname)s %(message)s", level=logging.INFO)
     accelerator = make_accelerator(args)
     args = derive_sizes(args, accelerator.num_processes)
@@ -638,8 +648,10 @@ def main(args: Args):
 
 
 # ===============================================================================================================
-# Plumbing: checking and loading what PPO reads (sizes, the reward function, prompts, models), then the block that
-# ends every script word for word (model and data loading, output folders, checkpoints, signals).
+# Plumbing: what sets a run up and checks it, computing nothing of the update. First PPO's own (batch sizes, the
+# reward function and its model, prompts and their padding, the value model, the checks on a reward's return value
+# and on divergence, the sample table), then the block that ends every script word for word (model and data
+# loading, output folders, checkpoints, signals).
 # ===============================================================================================================
 # Settings that do not change what is trained: a checkpoint may be resumed with other values for them.
 NOT_TRAINING_CONFIG = {"resume_from", "save_every", "save_total_limit", "checkpoint_dir", "run_name", "log_dir",
@@ -871,12 +883,6 @@ def get_reward(model, input_ids, attention_mask):
     return scores + getattr(model.config, "reward_bias", 0.0)
 
 
-def position_ids_from_mask(attention_mask):
-    """Positions (B, L) long counting only real tokens: a left-padded row starts at position 0 on its first real
-    token, exactly as the same row would without padding. Padding positions get 0 (they are masked anyway)."""
-    return (attention_mask.cumsum(1) - 1).clamp(min=0)
-
-
 def reward_problem(scores, n):
     """What is wrong with a reward function's return value for `n` samples (one line), or None: it must be a
     list (or tuple, or 1-D tensor/array) of `n` real numbers."""
@@ -907,22 +913,6 @@ def sample_table(rows):
     cell = lambda s: s.replace("|", "\\|").replace("\n", " ")  # noqa: E731
     return "| query | response | score |\n|---|---|---|\n" + "\n".join(
         f"| {cell(q)} | {cell(r)} | {s:.3f} |" for q, r, s in rows)
-
-
-def generate_with(model, generation_config, **inputs):
-    """`model.generate(**inputs)` under `generation_config` and nothing else; returns what `generate` returns.
-
-    transformers fills every setting a config leaves unset from the checkpoint's own `generation_config.json`, where
-    instruct models ship repetition penalties, min_p, bad words or a minimum length. Any of them would change the
-    distribution the tokens are drawn from, so the logprobs PPO stores would not be the sampling distribution and
-    its ratio would be wrong from the first step. The checkpoint's config is set aside for the call (and kept for
-    saving)."""
-    saved, model.generation_config = model.generation_config, generation_config
-    try:
-        return model.generate(**inputs, generation_config=generation_config)
-    finally:
-        model.generation_config = saved
-
 
 
 # --- shared plumbing: the same text in sft.py, reward.py, ppo.py and ppo_multinode.py (layout_test.py checks) ---

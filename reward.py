@@ -130,10 +130,9 @@ class Args:
     """A `checkpoint-<step>` folder, `latest`, or `auto` (latest if there is one, else start fresh: for requeued
     jobs): continue that run exactly as if it had never stopped."""
     mixed_precision: str = "auto"
-    """`bf16`, `fp16` or `no` (float32): the precision of the model's matrix products (accelerate's autocast); weights,
-    optimizer state, logprobs, values and losses stay float32. `auto`: what `accelerate launch` was told (its
-    --mixed_precision or config file), else bf16 where the hardware multiplies in bf16 natively (a CUDA GPU with bf16,
-    a CPU with AVX512-BF16 or AMX: 2-3x faster here), else `no`. The choice is logged."""
+    """`bf16`, `fp16` or `no` (float32) for the models' matrix products (accelerate's autocast); weights, optimizer
+    state, logprobs, values and losses stay float32. `auto`: `accelerate launch`'s --mixed_precision or config file if
+    set, else bf16 where the hardware multiplies in bf16 natively (CUDA; CPUs with AVX512-BF16 or AMX), else `no`."""
     dist_timeout_s: int = 900
     """Seconds a process waits in a collective before giving up, so one failed process cannot hang the others."""
     log_dir: str = "runs/tensorboard"

@@ -112,10 +112,9 @@ class Args:
     """A `checkpoint-<step>` folder, `latest`, or `auto` (latest if there is one, else start fresh: for requeued
     jobs): continue that run exactly as if it had never stopped."""
     mixed_precision: str = "auto"
-    """`bf16`, `fp16` or `no` (float32): the precision of the model's matrix products (accelerate's autocast); weights,
-    optimizer state, logprobs, values and losses stay float32. `auto`: what `accelerate launch` was told (its
-    --mixed_precision or config file), else bf16 where the hardware multiplies in bf16 natively (a CUDA GPU with bf16,
-    a CPU with AVX512-BF16 or AMX: 2-3x faster here), else `no`. The choice is logged."""
+    """`bf16`, `fp16` or `no` (float32) for the models' matrix products (accelerate's autocast); weights, optimizer
+    state, logprobs, values and losses stay float32. `auto`: `accelerate launch`'s --mixed_precision or config file if
+    set, else bf16 where the hardware multiplies in bf16 natively (CUDA; CPUs with AVX512-BF16 or AMX), else `no`."""
     dist_timeout_s: int = 900
     """Seconds a process waits in a collective before giving up, so one failed process cannot hang the others."""
     log_dir: str = "runs/tensorboard"
@@ -192,12 +191,9 @@ def generate_samples(model, tokenizer, prompts, max_prompt_length, max_length, s
 
 def generate_with(model, generation_config, **inputs):
     """`model.generate(**inputs)` under `generation_config` and nothing else; returns what `generate` returns.
-
-    transformers fills every setting a config leaves unset from the checkpoint's own `generation_config.json`, where
-    instruct models ship repetition penalties, min_p, bad words or a minimum length. Any of them would change the
-    distribution the tokens are drawn from, so the logprobs PPO stores would not be the sampling distribution and
-    its ratio would be wrong from the first step. The checkpoint's config is set aside for the call (and kept for
-    saving)."""
+    transformers fills every setting a config leaves unset from the checkpoint's `generation_config.json`, where
+    instruct models ship repetition penalties, min_p, bad words or minimum lengths: any would make the sampled
+    distribution differ from the logprobs PPO stores. The checkpoint's config is set aside for the call only."""
     saved, model.generation_config = model.generation_config, generation_config
     try:
         return model.generate(**inputs, generation_config=generation_config)
