@@ -491,24 +491,28 @@ def test_reward_model_with_its_own_tokenizer(tiny, tmp_path, monkeypatch):
 
 
 def test_decoder_reward_model_with_its_own_tokenizer(tiny, tmp_path, monkeypatch):
-    """A decoder reward model (`score` head) with another vocabulary than the policy's scores the decoded text in
-    reward.py's format: its own tokens, no special tokens, its EOS last. Checked against transformers' own pooling."""
+    """A decoder reward model (`score` head) with another vocabulary than the policy's scores each (query, response)
+    text as reward.py trained it: its own tokens of prompt and output (`reward.tokenize_pairs`), its EOS last; a
+    sample over its 64 positions keeps its end. Checked against transformers' own pooling."""
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    import reward
 
     calls = record_scores(monkeypatch)
     ppo_multinode.main(ppo_multinode.Args(**run_args(tiny, tmp_path, reward_model_path=str(tiny / "decoder_rm")),
                                           reward_batch_size=3))
     rm = AutoModelForSequenceClassification.from_pretrained(tiny / "decoder_rm").eval()
-    rm_tokenizer = AutoTokenizer.from_pretrained(tiny / "decoder_rm", truncation_side="left")
+    rm_tokenizer = AutoTokenizer.from_pretrained(tiny / "decoder_rm")
     for update in (1, 2):
         part = calls[update]
-        samples = [p + o + "[SEP]" for p, o in zip(part["prompts"], part["outputs"])]
-        batch = rm_tokenizer(samples, add_special_tokens=False, padding=True, truncation=True, return_tensors="pt")
-        last = batch["attention_mask"].sum(1) - 1  # right padding: the last real token of each row
-        assert batch["input_ids"][torch.arange(len(last)), last].eq(rm_tokenizer.sep_token_id).all()
-        assert not batch["input_ids"].eq(rm_tokenizer.cls_token_id).any()
+        pairs = reward.tokenize_pairs({"prompt": part["prompts"], "chosen": part["outputs"],
+                                       "rejected": part["outputs"]}, rm_tokenizer, 10**6, 10**6)
+        rows = [chosen[-64:] for chosen, _ in pairs]
+        assert all(row[-1] == rm_tokenizer.eos_token_id for row in rows)
+        width = max(map(len, rows))
+        ids = torch.tensor([row + [0] * (width - len(row)) for row in rows])  # right-padded with [PAD] (id 0)
         with torch.no_grad():
-            direct = rm(**batch).logits[:, 0] + 0.75  # pooled at the last non-pad token; config.reward_bias
+            direct = rm(input_ids=ids, attention_mask=ids.ne(0).long()).logits[:, 0] + 0.75  # reward_bias
         assert part["scores"].std() > 1e-3
         torch.testing.assert_close(part["scores"], direct, atol=1e-5, rtol=1e-5)
 

@@ -177,7 +177,7 @@ class Args:
     mixed_precision: str = "auto"
     """`bf16`, `fp16` or `no` (float32) for the models' matrix products (accelerate's autocast); weights, optimizer
     state, logprobs, values and losses stay float32. `auto`: `accelerate launch`'s --mixed_precision or config file if
-    set, else bf16 where the hardware multiplies in bf16 natively (CUDA; CPUs with AVX512-BF16 or AMX), else `no`."""
+    set, else bf16 where the hardware multiplies in bf16 natively (CUDA, AVX512-BF16/AMX CPUs), else `no`; logged."""
     dist_timeout_s: int = 900
     """Seconds a process waits in a collective before giving up (one failed process cannot hang the others); it must
     cover the reward call, during which the other processes wait."""
@@ -207,10 +207,10 @@ class PolicyAndValue(torch.nn.Module):
 
 
 def response_logprobs(model, query_responses, attention_mask, context_length, temperature):
-    """Log-probabilities of the response tokens at sampling temperature: `logprobs` (B, T) and `all_logprobs`
-    (B, T, V) float32, log_softmax(logits / temperature), of `query_responses`, `attention_mask` (B, Q+T) long with
-    `context_length` Q. The LM head runs only on the T positions that predict a response token (position Q-1+t
-    predicts token Q+t). The temperature makes these the probabilities the tokens were sampled with, as PPO needs."""
+    """Log-probabilities of the response tokens at sampling temperature. `query_responses`, `attention_mask`
+    (B, Q+T) long; `context_length` Q. Returns `logprobs` (B, T) and `all_logprobs` (B, T, V) float32,
+    log_softmax(logits / temperature): the probabilities the tokens were sampled with, which the PPO ratio needs. The
+    LM head runs only on the T positions that predict a response token (position Q-1+t predicts token Q+t)."""
     backbone = getattr(model, model.base_model_prefix)
     hidden = backbone(input_ids=query_responses, attention_mask=attention_mask,
                       position_ids=position_ids_from_mask(attention_mask), use_cache=False).last_hidden_state
@@ -256,8 +256,9 @@ def sharded_generation_context(accelerator, model):
 
 @torch.no_grad()
 def evaluate(accelerator, models, reward_fn, tokenizer, eval_queries, args, stop_token_id, synced_gpus, rng_devices):
-    """Sample and score (`compute_scores`) responses to the fixed held-out queries with a fixed seed; returns the
-    metrics over all processes (mean score, per-sequence KL to the reference, response length) and a few rows."""
+    """Sample and score (`compute_scores`) responses to the fixed held-out queries with a fixed seed, `models` =
+    (policy, ref_policy, value_model); returns the metrics over all processes (mean score, per-sequence KL to the
+    reference, response length) and a few (query, response, score) rows."""
     query_ids, query_mask = (t.to(accelerator.device) for t in eval_queries)
     # autocast: rollouts are sampled and scored in the precision the training forward runs in (accelerate autocasts
     # only the prepared model's own forward), so at learning rate 0 the PPO ratio is exactly 1.
@@ -576,9 +577,9 @@ def main(args: Args):
         logger.info("CPU run: malloc keeps freed memory for reuse (tune_cpu_allocator)", main_process_only=True)
     set_seed(args.seed, device_specific=True)  # seed + process index: processes sample different rollouts
 
-    # --- data: prompts as token ids; the held-out ones left-padded to query_length ---------------------------------
+    # --- data: prompts as token ids, left-padded to query_length, the training ones and held-out ones ---------------
     tokenizer = load_tokenizer(args.sft_model_path)
-    train_ids, eval_queries = load_prompts(args, tokenizer, accelerator.process_index, accelerator.num_processes)
+    train_queries, eval_queries = load_prompts(args, tokenizer, accelerator.process_index, accelerator.num_processes)
     stop_token_id = tokenizer.eos_token_id if args.stop_token == "eos" else None
 
     # --- models: policy and ref from SFT, value model, the reward; dropout off -----------------------------------
@@ -620,10 +621,9 @@ def main(args: Args):
     for update in range(first_update, args.num_updates + 1):
         start = time.perf_counter()
         # --- (1) rollout ---------------------------------------------------------------------------------------
-        batch = prompt_indices(update, len(train_ids), args.batch_size, args.seed, accelerator.process_index,
+        batch = prompt_indices(update, len(train_queries[0]), args.batch_size, args.seed, accelerator.process_index,
                                accelerator.num_processes)
-        query_ids, query_mask = (t.to(accelerator.device) for t in
-                                 left_pad([train_ids[i] for i in batch], tokenizer.pad_token_id, args.query_length))
+        query_ids, query_mask = (t[batch].to(accelerator.device) for t in train_queries)
         with sharded_generation_context(accelerator, model), accelerator.autocast():  # autocast: see `evaluate`
             responses = rollout(unwrapped.policy, query_ids, query_mask, args, stop_token_id, tokenizer.pad_token_id,
                                 sharded)
@@ -709,10 +709,10 @@ def main(args: Args):
 
 
 # ===============================================================================================================
-# Plumbing: what sets a run up and checks it, computing nothing of the update. First PPO's own (batch sizes, the
-# reward function and its model, prompts and their padding, the value model, the checks on a reward's return value
-# and on divergence, the sample table), then the block that ends every script word for word (model and data
-# loading, output folders, checkpoints, signals).
+# Plumbing: first PPO's own set-up, run once before the loop (batch sizes, the reward function, the prompts padded
+# to tensors, the models; `--reward_fn model` wraps the frozen reward model, whose `get_reward` reward.py teaches),
+# and the checks and formatting the loop calls (a reward's return value, divergence, the sample table); then the
+# block that ends every script word for word (model and data loading, output folders, checkpoints, signals).
 # ===============================================================================================================
 # Settings that do not change what is trained: a checkpoint may be resumed with other values for them.
 NOT_TRAINING_CONFIG = {"resume_from", "save_every", "save_total_limit", "checkpoint_dir", "run_name", "log_dir",
@@ -811,8 +811,9 @@ def has_score_head(config):
 
 
 def load_prompts(args, tokenizer, process_index, num_processes):
-    """The prompts as token ids: every training prompt (list of lists) and this process's share of the fixed
-    held-out prompts, left-padded (`left_pad`). Raises ValueError on a dataset that cannot fill one batch."""
+    """`(train_queries, eval_queries)`: every training prompt and this process's share of the fixed held-out prompts,
+    each as `(input_ids, attention_mask)` (N, query_length) long, left-padded (`left_pad`). Raises ValueError on a
+    dataset that cannot fill one batch."""
     train, held_out = load_splits(args.dataset_name, "ppo")
     require_columns(train, ["prompt"], args.dataset_name)
     if len(train) < args.batch_size:
@@ -828,7 +829,8 @@ def load_prompts(args, tokenizer, process_index, num_processes):
     eval_ids = encode(list(held_out["prompt"][: args.eval_prompts]))[process_index::num_processes]
     # Equal slices on every process: under ZeRO-3 and FSDP each forward pass is a collective.
     eval_ids = eval_ids[: args.eval_prompts // num_processes]
-    return train_ids, left_pad(eval_ids, tokenizer.pad_token_id, args.query_length)
+    return (left_pad(train_ids, tokenizer.pad_token_id, args.query_length),
+            left_pad(eval_ids, tokenizer.pad_token_id, args.query_length))
 
 
 def left_pad(sequences, pad_token_id, length):
@@ -915,8 +917,8 @@ def make_model_reward(reward_model, reward_tokenizer, same_tokens, batch_size):
     token ids (`kwargs["query_responses"]`, `kwargs["attention_mask"]`): decoding and re-tokenizing is not lossless
     (sampled "hel" + "lo" come back as one token "hello", and the EOS the reward model was trained to read is not in
     the text). Otherwise the text is tokenized with the reward model's tokenizer: for a decoder (`score` head) as
-    reward.py trains one, no special tokens and EOS last; for an encoder (BERT) with its [CLS] ... [SEP]. A sample too
-    long for it loses its beginning, so that the response is kept.
+    reward.py formats a pair (prompt and output tokenized apart, no special tokens, its EOS last); for an encoder
+    (BERT) with its [CLS] ... [SEP]. A sample too long for it loses its beginning, so that the response is kept.
     """
     device = next(reward_model.parameters()).device
     reward_tokenizer.truncation_side = "left"
@@ -927,13 +929,16 @@ def make_model_reward(reward_model, reward_tokenizer, same_tokens, batch_size):
         for i in range(0, len(samples), batch_size):
             if same_tokens:
                 ids, mask = query_responses[i : i + batch_size], attention_mask[i : i + batch_size]
-            elif hasattr(reward_model, "score"):  # a decoder RM, reward.py's format: no special tokens, EOS at the end
-                batch = reward_tokenizer([s + reward_tokenizer.eos_token for s in samples[i : i + batch_size]],
-                                         add_special_tokens=False, padding=True, truncation=True, return_tensors="pt")
+            elif hasattr(reward_model, "score"):  # a decoder RM, reward.py's format: prompt, output, then its EOS
+                prompt_ids, output_ids = (reward_tokenizer(texts[i : i + batch_size], add_special_tokens=False)
+                                          ["input_ids"] for texts in (prompts, outputs))
+                rows = [(p + o + [reward_tokenizer.eos_token_id])[-reward_tokenizer.model_max_length :]
+                        for p, o in zip(prompt_ids, output_ids)]
+                batch = reward_tokenizer.pad({"input_ids": rows}, return_tensors="pt")
+                ids, mask = batch["input_ids"], batch["attention_mask"]
             else:  # an encoder RM (BERT): its own special tokens ([CLS] ... [SEP])
                 batch = reward_tokenizer(samples[i : i + batch_size], padding=True, truncation=True,
                                          return_tensors="pt")
-            if not same_tokens:
                 ids, mask = batch["input_ids"], batch["attention_mask"]
             scores += reward_model_scores(reward_model, ids.to(device), mask.to(device)).tolist()
         return scores

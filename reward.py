@@ -132,7 +132,7 @@ class Args:
     mixed_precision: str = "auto"
     """`bf16`, `fp16` or `no` (float32) for the models' matrix products (accelerate's autocast); weights, optimizer
     state, logprobs, values and losses stay float32. `auto`: `accelerate launch`'s --mixed_precision or config file if
-    set, else bf16 where the hardware multiplies in bf16 natively (CUDA; CPUs with AVX512-BF16 or AMX), else `no`."""
+    set, else bf16 where the hardware multiplies in bf16 natively (CUDA, AVX512-BF16/AMX CPUs), else `no`; logged."""
     dist_timeout_s: int = 900
     """Seconds a process waits in a collective before giving up, so one failed process cannot hang the others."""
     log_dir: str = "runs/tensorboard"
