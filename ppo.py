@@ -1616,7 +1616,12 @@ def run_as_command(main, args):
         line = one_line_error(error, args.dist_timeout_s)
         if line is None:
             raise
-        raise SystemExit(line)
+        sys.stderr.flush()
+        try:  # one write(2) of the whole line, so that processes sharing a log never splice their lines together
+            os.write(sys.stderr.fileno(), (line + "\n").encode())
+        except (AttributeError, OSError, ValueError):  # a stream without a file descriptor (a test's capture)
+            print(line, file=sys.stderr, flush=True)
+        raise SystemExit(1)
     # Leave the process group cleanly (nothing to do for one process): gloo can abort at exit without it.
     PartialState().destroy_process_group()
 
