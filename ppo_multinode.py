@@ -45,6 +45,7 @@ A Case Study on TL;DR Summarization" (EOS handling, missing-EOS penalty, value m
 
 import contextlib
 import ctypes
+import gc
 import gzip
 import importlib.util
 import json
@@ -193,8 +194,7 @@ class Args:
 
 
 class PolicyAndValue(torch.nn.Module):
-    """Holds the policy and the value model so that one optimizer, one `accelerator.prepare` (one DeepSpeed engine)
-    and one gradient clip cover both; the loss is pg_loss + vf_coef * vf_loss."""
+    """Policy and value model as one module, so one optimizer, one `accelerator.prepare` and one clip cover both."""
 
     def __init__(self, policy, value_model):
         super().__init__()
@@ -1699,14 +1699,19 @@ def run_as_command(main, args):
         line = one_line_error(error, args.dist_timeout_s)
         if line is None:
             raise
-        sys.stderr.flush()
-        try:  # one write(2) of the whole line, so that processes sharing a log never splice their lines together
-            os.write(sys.stderr.fileno(), (line + "\n").encode())
-        except (AttributeError, OSError, ValueError):  # a stream without a file descriptor (a test's capture)
-            print(line, file=sys.stderr, flush=True)
-        raise SystemExit(1)
-    # Leave the process group cleanly (nothing to do for one process): gloo can abort at exit without it.
-    PartialState().destroy_process_group()
+    else:
+        # Leave the process group cleanly (nothing to do for one process): gloo can abort at exit without it.
+        PartialState().destroy_process_group()
+        return
+    # Out of the except block the failed run's frames go (gc.collect for cycles), so its open progress bars close
+    # first and the error is the last line; written in one write(2), so processes sharing a log never splice lines.
+    gc.collect()
+    sys.stderr.flush()
+    try:
+        os.write(sys.stderr.fileno(), (line + "\n").encode())
+    except (AttributeError, OSError, ValueError):  # a stream without a file descriptor (a test's capture)
+        print(line, file=sys.stderr, flush=True)
+    raise SystemExit(1)
 
 
 if __name__ == "__main__":

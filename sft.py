@@ -30,6 +30,7 @@ Summarization" (loss on completion tokens only, EOS handling when pad == eos).
 
 import contextlib
 import ctypes
+import gc
 import gzip
 import importlib.util
 import json
@@ -1086,14 +1087,19 @@ def run_as_command(main, args):
         line = one_line_error(error, args.dist_timeout_s)
         if line is None:
             raise
-        sys.stderr.flush()
-        try:  # one write(2) of the whole line, so that processes sharing a log never splice their lines together
-            os.write(sys.stderr.fileno(), (line + "\n").encode())
-        except (AttributeError, OSError, ValueError):  # a stream without a file descriptor (a test's capture)
-            print(line, file=sys.stderr, flush=True)
-        raise SystemExit(1)
-    # Leave the process group cleanly (nothing to do for one process): gloo can abort at exit without it.
-    PartialState().destroy_process_group()
+    else:
+        # Leave the process group cleanly (nothing to do for one process): gloo can abort at exit without it.
+        PartialState().destroy_process_group()
+        return
+    # Out of the except block the failed run's frames go (gc.collect for cycles), so its open progress bars close
+    # first and the error is the last line; written in one write(2), so processes sharing a log never splice lines.
+    gc.collect()
+    sys.stderr.flush()
+    try:
+        os.write(sys.stderr.fileno(), (line + "\n").encode())
+    except (AttributeError, OSError, ValueError):  # a stream without a file descriptor (a test's capture)
+        print(line, file=sys.stderr, flush=True)
+    raise SystemExit(1)
 
 
 if __name__ == "__main__":
