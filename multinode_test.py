@@ -27,6 +27,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import ppo  # noqa: E402
 import imdb_rule_reward  # noqa: E402
 import ppo_multinode  # noqa: E402
+import reward  # noqa: E402
 import sft  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -495,8 +496,6 @@ def test_decoder_reward_model_with_its_own_tokenizer(tiny, tmp_path, monkeypatch
     text as reward.py trained it: its own tokens of prompt and output (`reward.tokenize_pairs`), its EOS last; a
     sample over its 64 positions keeps its end. Checked against transformers' own pooling."""
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
-
-    import reward
 
     calls = record_scores(monkeypatch)
     ppo_multinode.main(ppo_multinode.Args(**run_args(tiny, tmp_path, reward_model_path=str(tiny / "decoder_rm")),

@@ -932,10 +932,9 @@ def make_model_reward(reward_model, reward_tokenizer, same_tokens, batch_size):
             elif hasattr(reward_model, "score"):  # a decoder RM, reward.py's format: prompt, output, then its EOS
                 prompt_ids, output_ids = (reward_tokenizer(texts[i : i + batch_size], add_special_tokens=False)
                                           ["input_ids"] for texts in (prompts, outputs))
-                rows = [(p + o + [reward_tokenizer.eos_token_id])[-reward_tokenizer.model_max_length :]
-                        for p, o in zip(prompt_ids, output_ids)]
-                batch = reward_tokenizer.pad({"input_ids": rows}, return_tensors="pt")
-                ids, mask = batch["input_ids"], batch["attention_mask"]
+                rows = [p + o + [reward_tokenizer.eos_token_id] for p, o in zip(prompt_ids, output_ids)]
+                length = min(max(map(len, rows)), reward_tokenizer.model_max_length)
+                ids, mask = left_pad(rows, reward_tokenizer.pad_token_id, length)  # a long row keeps its end
             else:  # an encoder RM (BERT): its own special tokens ([CLS] ... [SEP])
                 batch = reward_tokenizer(samples[i : i + batch_size], padding=True, truncation=True,
                                          return_tensors="pt")
