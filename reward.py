@@ -483,7 +483,7 @@ def resolve_model_source(name_or_path):
         return name_or_path, None
     if name_or_path.startswith((".", "/", "~")) or name_or_path.count("/") > 1:
         raise FileNotFoundError(f"model path {name_or_path!r} does not exist; pass a hub id, a folder or a .gguf file.")
-    if name_or_path == DEFAULT_MODEL and not os.environ.get("HF_HUB_OFFLINE"):
+    if name_or_path == DEFAULT_MODEL:
         with contextlib.suppress(Exception):  # already in the hub cache: use it, no network needed
             AutoTokenizer.from_pretrained(name_or_path, local_files_only=True)
             return name_or_path, None
@@ -497,13 +497,21 @@ def resolve_model_source(name_or_path):
 
 
 def hub_reachable(timeout=3.0):
-    """True when huggingface.co accepts a TCP connection within `timeout` seconds (and HF_HUB_OFFLINE is unset)."""
-    if os.environ.get("HF_HUB_OFFLINE"):
+    """True when the hub accepts a TCP connection within `timeout` seconds, unless HF_HUB_OFFLINE is on. Both come
+    from huggingface_hub as it parsed them: HF_HUB_OFFLINE by value (`0` is online), the host from HF_ENDPOINT (a
+    mirror) or huggingface.co."""
+    import urllib.parse
+
+    from huggingface_hub import constants as hub_constants  # the settings as huggingface_hub parsed them
+
+    if hub_constants.HF_HUB_OFFLINE:
         return False
+    endpoint = urllib.parse.urlsplit(hub_constants.ENDPOINT)
     try:
-        socket.create_connection(("huggingface.co", 443), timeout=timeout).close()
+        port = endpoint.port or (80 if endpoint.scheme == "http" else 443)
+        socket.create_connection((endpoint.hostname, port), timeout=timeout).close()
         return True
-    except OSError:
+    except (OSError, ValueError):
         return False
 
 

