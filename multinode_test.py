@@ -1,11 +1,12 @@
 """Tests of ppo_multinode.py: central scoring, the reward model on the main process only, equality with ppo.py.
 
-    pytest multinode_test.py         # about 2 minutes on 2 CPU cores; no network, tiny random models built here
+    pytest multinode_test.py    # about 2 minutes on 2 CPU cores + ~80 s waiting out two rendezvous timeouts; no network
 
 Four tests start real 2-process runs on the CPU (gloo): this file's `central` worker and ppo.py itself under
 `accelerate launch`, ppo_multinode.py as two "nodes" on loopback (two `accelerate launch`es, `--machine_rank 0`
 and `1`), and this file's `fsdp` worker (PyTorch FSDP) under `torch.distributed.run`. Each has a timeout, so a hang
-fails the test instead of blocking CI.
+fails the test instead of blocking CI. Two more start one "node" of two alone, with a short rendezvous timeout: it
+must stop within a bounded time and say why (a node that never comes).
 """
 
 import importlib.util
@@ -290,6 +291,100 @@ def test_node_local_checkpoint_folders_are_refused(tiny, tmp_path):
     assert lines[0] and lines[0] == lines[1], outputs
     assert "does not see the checkpoint folder" in lines[0][0] and "shares" in lines[0][0]
     assert not os.path.exists(tmp_path / "model")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# a node that never comes: the launcher's rendezvous gives up after `--rdzv_conf timeout=N`, on either side
+# ---------------------------------------------------------------------------------------------------------------
+RDZV_TIMEOUT_S = 20  # the tests' rendezvous timeout; the commands in README use 120
+
+
+def launch_alone(machine_rank, tmp_path, limit_s):
+    """Start one "node" of two on loopback with README's command (configs/multi_node.yaml; ip, port and rank on the
+    command line; `--rdzv_conf timeout=RDZV_TIMEOUT_S`; 2 CPU processes in all) and no other node, ever. Returns
+    (exit code, seconds from start to exit, output, port). A launcher still running after `limit_s` is stopped and
+    the test fails: without the timeout it would wait torch's default 900 s (node 0; measured 908 s)."""
+    port = free_port()
+    cmd = ACCELERATE + ["--config_file", "configs/multi_node.yaml", "--num_processes", "2", "--mixed_precision", "no",
+                        "--machine_rank", str(machine_rank), "--main_process_ip", "127.0.0.1", "--main_process_port",
+                        str(port), "--num_cpu_threads_per_process", "1", "--rdzv_conf", f"timeout={RDZV_TIMEOUT_S}",
+                        "ppo_multinode.py", f"--output_dir={tmp_path / 'model'}", f"--log_dir={tmp_path / 'tb'}"]
+    env = dict(os.environ, ACCELERATE_USE_CPU="true", CUDA_VISIBLE_DEVICES="", HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
+    with tempfile.TemporaryFile("w+") as log:  # a file, not a pipe: a full pipe would stall the launcher
+        start = time.monotonic()
+        proc = subprocess.Popen(cmd, cwd=HERE, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            proc.wait(timeout=limit_s)
+            timed_out = False
+        except subprocess.TimeoutExpired:
+            # Workers (had any started) run in sessions of their own, out of reach of a kill of the launcher's
+            # group: SIGTERM first, on which torch's launcher stops them itself (SIGKILL after 30 s).
+            timed_out = True
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+        elapsed = time.monotonic() - start
+        log.seek(0)
+        output = log.read()
+    if timed_out:
+        pytest.fail(f"node {machine_rank} alone still waited after {limit_s} s:\n{output[-3000:]}")
+    return proc.returncode, elapsed, output, port
+
+
+def test_main_node_alone_stops_after_the_rendezvous_timeout(tmp_path):
+    """Node 0 of 2, node 1 never comes: the launcher exits non-zero within twice the timeout (measured: 29-31 s with
+    20 s, Python's start included, on 2 busy cores), and its last line says how many nodes joined of how many."""
+    code, elapsed, output, _ = launch_alone(0, tmp_path, limit_s=2 * RDZV_TIMEOUT_S)
+    assert code != 0, output[-3000:]
+    assert elapsed >= RDZV_TIMEOUT_S, output[-3000:]  # it was the rendezvous that gave up, not an early error
+    assert re.search(r"Timed out after \d+ seconds waiting for clients\. 1/2 clients joined", output), output[-3000:]
+
+
+def test_other_node_alone_stops_when_no_main_node_listens(tmp_path):
+    """Node 1 of 2, nothing listening on node 0's address and port: torch's store client tries to connect for up to
+    the timeout, pauses (a random back-off), tries once more and gives up, naming the address and port it tried
+    (measured: 43-61 s with 20 s, Python's start included, on 2 busy cores)."""
+    code, elapsed, output, port = launch_alone(1, tmp_path, limit_s=4 * RDZV_TIMEOUT_S)
+    assert code != 0, output[-3000:]
+    assert elapsed >= RDZV_TIMEOUT_S, output[-3000:]
+    assert f"timed out after {RDZV_TIMEOUT_S * 1000}ms while trying to connect to (127.0.0.1, {port})" in output, \
+        output[-3000:]
+
+
+def multi_node_commands():
+    """Every command that starts one node of several, as the docs show it (continued lines joined): in README's code
+    blocks, the comments of configs/multi_node.yaml, ppo_multinode.py's docstring, and the "Several nodes:" flags in
+    the comments of the ZeRO-3 and FSDP configs. The hostfile launcher is left out: DeepSpeed's runner has no
+    rendezvous timeout (README says so)."""
+    commands = []
+    for name in ("README.md", "ppo_multinode.py", "configs/multi_node.yaml", "configs/deepspeed_zero3.yaml",
+                 "configs/fsdp.yaml"):
+        with open(os.path.join(HERE, name), encoding="utf-8") as f:
+            text = re.sub(r"\\\n *", " ", f.read())
+        if name.endswith(".yaml"):  # the "Several nodes:" flags go on over the next comment line
+            text = re.sub(r"(# Several nodes: [^\n]*)\n# (--)", r"\1 \2", text)
+        for line in text.splitlines():
+            line = line.strip().lstrip("#").strip()
+            several = re.search(r"--machine_rank|--node_rank|--num_machines [2-9N]|--nnodes [2-9]|multi_node\.yaml",
+                                line)
+            if re.match(r"(accelerate launch|torchrun|Several nodes:) ", line) and several and \
+                    "--deepspeed_hostfile" not in line:
+                commands.append((name, line))
+    return commands
+
+
+def test_every_multi_node_command_carries_a_rendezvous_timeout():
+    commands = multi_node_commands()
+    # README: 2 accelerate launch + 2 torchrun; the docstring: 1; multi_node.yaml: 2; the ZeRO-3 and FSDP configs: 1
+    assert len(commands) == 9, commands
+    for name, command in commands:
+        assert re.search(r"--rdzv[_-]conf timeout=120 ", command), f"{name}: {command}"
+    # ZeRO-3 across nodes goes through torch's launcher only with `standard` (else DeepSpeed's runner, no timeout)
+    zero3 = [command for name, command in commands if "zero3" in name or "deepspeed_zero3.yaml" in command]
+    assert zero3 and all("--deepspeed_multinode_launcher standard" in command for command in zero3), zero3
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -15,7 +15,7 @@ Run it:
     accelerate launch --multi_gpu --num_processes 7 ppo_multinode.py --reward_device cuda:7 --batch_size 224
     # 2 nodes x 8 GPUs, DDP: the same command on every node, each with its own --machine_rank (0: the main node)
     accelerate launch --config_file configs/multi_node.yaml --machine_rank 0 --main_process_ip 10.0.0.1 \
-        --main_process_port 29500 ppo_multinode.py
+        --main_process_port 29500 --rdzv_conf timeout=120 ppo_multinode.py
     accelerate launch --config_file configs/deepspeed_zero3.yaml ppo_multinode.py   # 8 GPUs, ZeRO-3
     accelerate launch --config_file configs/fsdp.yaml ppo_multinode.py             # 8 GPUs, FSDP
     README.md ("Several nodes"): which of these are tested on CPU processes; hostfiles and NCCL.
