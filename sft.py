@@ -194,8 +194,8 @@ def generate_samples(model, tokenizer, prompts, max_prompt_length, max_length, s
 def generate_with(model, generation_config, **inputs):
     """`model.generate(**inputs)` under `generation_config` and nothing else; returns what `generate` returns.
     transformers fills every setting a config leaves unset from the checkpoint's `generation_config.json`, where
-    instruct models ship repetition penalties, min_p, bad words or minimum lengths: any would make the sampled
-    distribution differ from the logprobs PPO stores. The checkpoint's config is set aside for the call only."""
+    instruct models ship repetition penalties, min_p, bad words or minimum lengths: any would make generation differ
+    from the script's flags (in PPO, from its logprobs). The checkpoint's config is set aside for the call only."""
     saved, model.generation_config = model.generation_config, generation_config
     try:
         return model.generate(**inputs, generation_config=generation_config)
