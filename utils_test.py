@@ -278,7 +278,7 @@ def test_derive_sizes_rejects_uneven_batches():
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# metric definitions, on hand-made cases: clip fractions, explained variance, KL and entropy units
+# metric definitions, on hand-made cases: clip fractions, explained variance, KL and entropy units, RM statistics
 # ---------------------------------------------------------------------------------------------------------------
 def test_clip_fractions_count_the_tokens_the_clip_takes_the_gradient_from():
     """A token counts when its clipped term is the larger one, the one the max takes, so it gets no gradient (the
@@ -360,6 +360,19 @@ def test_an_end_to_end_run_logs_the_metric_definitions(tiny_chain):
         assert float("-inf") < metrics["ppo/val/explained_variance"] <= 1.0
         assert 0.0 <= metrics["ppo/policy/clipfrac_avg"] <= 1.0 and 0.0 <= metrics["ppo/val/clipfrac_avg"] <= 1.0
         assert metrics["ppo/policy/entropy_avg"] > 0
+
+
+def test_reward_model_statistics_are_two_pass(monkeypatch):
+    """reward.py's held-out score std is taken as ppo.py's global_masked_stats takes it: the mean first, then the
+    squared deviations. Scores near +-1e4 with a spread of 0.1: float32's one-pass E[x^2] - E[x]^2 loses the spread."""
+    torch.manual_seed(0)
+    chosen, rejected = 1e4 + 0.1 * torch.randn(8), -1e4 + 0.1 * torch.randn(8)
+    batches = iter([torch.cat([chosen[:4], rejected[:4]]), torch.cat([chosen[4:], rejected[4:]])])
+    monkeypatch.setattr(reward, "get_reward", lambda model, input_ids, attention_mask: next(batches))
+    metrics, scores = reward.evaluate_pairs(Accelerator(cpu=True), torch.nn.Identity(), [([1, 2], [1, 3])] * 8, 4, 0)
+    assert scores.tolist() == torch.stack([chosen, rejected], 1).tolist()
+    assert metrics["eval/scores_chosen_std"] == pytest.approx(chosen.double().std().item(), rel=0.02)
+    assert metrics["eval/scores_rejected_std"] == pytest.approx(rejected.double().std().item(), rel=0.02)
 
 
 # ---------------------------------------------------------------------------------------------------------------
