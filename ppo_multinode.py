@@ -182,9 +182,9 @@ class Args:
     resume_from: str = ""
     """Continue a run exactly from a `checkpoint-<update>` folder, `latest`, or `auto` (latest if any, else start)."""
     mixed_precision: str = "auto"
-    """`bf16`, `fp16` or `no` (float32) for the models' matrix products (accelerate's autocast); weights, optimizer
-    state, logprobs, values and losses stay float32. `auto`: `accelerate launch`'s --mixed_precision or config file if
-    set, else bf16 where the hardware multiplies in bf16 natively (CUDA, AVX512-BF16/AMX CPUs), else `no`; logged."""
+    """`bf16`, `fp16` or `no` (float32) for matrix products, by accelerate's autocast: weights, optimizer state,
+    logprobs, values and losses stay float32 (DeepSpeed, FSDP: their own bf16, README). `auto`: `accelerate launch`'s
+    setting if any, else bf16 where the hardware multiplies in bf16 (CUDA, AVX512-BF16/AMX CPUs), else `no`; logged."""
     dist_timeout_s: int = 900
     """Seconds a process waits in a collective before giving up (one failed process cannot hang the others); it must
     cover the reward call, during which the other processes wait."""
