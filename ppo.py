@@ -24,10 +24,11 @@ The reward is a function of text, `--reward_fn model` (the reward model) or your
 prompts[i] + outputs[i] without special tokens; kwargs `query_responses`, `attention_mask`: the same as token ids.
 
 Follows: Schulman et al. 2017 "Proximal Policy Optimization Algorithms" (clipped objective); Schulman et al. 2016
-"High-Dimensional Continuous Control Using Generalized Advantage Estimation" (GAE); Ziegler et al. 2019
-"Fine-Tuning Language Models from Human Preferences" (KL-shaped reward, adaptive KL controller); Stiennon et al. 2020
-"Learning to summarize from human feedback"; Huang et al. 2024 "The N+ Implementation Details of RLHF with PPO:
-A Case Study on TL;DR Summarization" (EOS handling, missing-EOS penalty, value model from the RM, metric names).
+"High-Dimensional Continuous Control Using Generalized Advantage Estimation" (GAE); Ziegler et al. 2019 "Fine-Tuning
+Language Models from Human Preferences" and its code, lm-human-preferences (KL-shaped reward, adaptive KL, value
+clipping); Stiennon et al. 2020 "Learning to summarize from human feedback"; Huang et al. 2024 "The N+ Implementation
+Details of RLHF with PPO: A Case Study on TL;DR Summarization" and its code, vwxyzjn/summarize_from_feedback_details,
+"SFFD" (truncation after EOS, value model from the RM, metric names; where and why ours differs: README, "Departures").
 """
 
 import contextlib
@@ -84,7 +85,7 @@ class Args:
     otherwise the SFT model with a fresh scalar head (the value model reads the policy's tokens)."""
     dataset_name: str = "imdb"
     """`imdb` (built-in task: IMDB review openings), a hub id, or a local json/jsonl(.gz)/csv/parquet file with a
-    `prompt` column (or `chosen`+`rejected` pairs, whose shared prefix is the prompt)."""
+    `prompt` column (or HH-style `chosen`+`rejected` pairs: their shared prefix up to the last "Assistant:")."""
     output_dir: str = "runs/imdb/ppo"
     """The trained policy is saved here (`save_pretrained`), the value model in `<output_dir>/value_model`."""
     overwrite_output_dir: bool = False
@@ -99,49 +100,54 @@ class Args:
     stop_token: str = "eos"
     """`eos`: a response ends at its first EOS, later tokens become padding; `none`: always `response_length` tokens."""
     missing_eos_penalty: Optional[float] = 1.0
-    """Subtracted from the score of a response that never emits the stop token (None: no penalty). Without it the
-    policy can learn to ramble on past where the RM was trained (N+ details paper)."""
-    # --- PPO ---
-    total_episodes: int = 480
-    """Rollouts (query, response pairs) over the whole run, all processes together. 480 = 15 updates, which fits
-    the default offline pipeline's ~15 CPU minutes for PPO; on GPUs use far more (the TL;DR runs use ~1M)."""
+    """Subtracted from the score of a response that never emits the stop token, as TRL does (SFFD replaces that score
+    with -1). None: no penalty, and the policy may learn to ramble on past where the RM was trained."""
+    # --- PPO --- batch sizes in rollouts (query, response pairs); right: the name in SFFD | TRL's PPOConfig's if other
+    #   batch_size                      one update, all processes  batch_size
+    #   / num_mini_batches              one optimizer step         mini_batch_size
+    #   / gradient_accumulation_steps   one forward pass           micro_batch_size
+    #   / processes = micro_batch_size  that pass, per process     local_micro_batch_size | per_device_train_batch_size
     batch_size: int = 32
-    """Rollouts per PPO update, all processes together (TRL: batch_size; cleanrl: batch_size)."""
+    """Rollouts per PPO update, all processes together."""
     num_mini_batches: int = 2
-    """Optimizer steps per PPO epoch: the batch is cut into this many minibatches."""
+    """Optimizer steps per PPO epoch: the batch is cut into this many minibatches (SFFD: nminibatches)."""
     gradient_accumulation_steps: int = 2
-    """Microbatches per minibatch, whose gradients are summed before the step (memory, not maths, changes)."""
+    """Microbatches per minibatch and process, gradients summed before the step. With one minibatch only memory
+    changes (and float rounding); with more, it also changes which rollouts share a minibatch (`ppo_epochs`)."""
+    total_episodes: int = 480
+    """Rollouts in the whole run, all processes: 480 = 15 updates (~6 CPU minutes, README); SFFD's TL;DR runs: 1M."""
     ppo_epochs: int = 2
-    """Passes over each batch of rollouts."""
+    """Passes over each batch of rollouts (SFFD: noptepochs; TRL: num_ppo_epochs)."""
     learning_rate: float = 2e-5
-    """AdamW learning rate for policy and value model, annealed linearly to 0 over the run. High for PPO (the N+
-    paper uses 3e-6 on TL;DR) because the default CPU run has only 15 updates to move the policy."""
+    """AdamW learning rate for policy and value model, annealed linearly to 0 per optimizer step (SFFD: per update).
+    High for PPO (SFFD's TL;DR runs: 3e-6) because the default CPU run has only 15 updates to move the policy."""
     max_grad_norm: float = 1.0
-    """Global gradient-norm clip over policy and value parameters."""
+    """Global gradient-norm clip over policy and value parameters (SFFD does not clip)."""
     cliprange: float = 0.2
     """PPO policy ratio clip epsilon."""
     cliprange_value: float = 0.2
-    """Value clip: new values stay within this of the rollout values (as in the OpenAI lm-human-preferences code)."""
+    """Value clip (lm-human-preferences, SFFD): the loss is max((V - R)^2, (clip(V, V_old +- this) - R)^2), so a new
+    value V gets no gradient where the clipped one's error is the larger; nothing holds V within the range."""
     vf_coef: float = 0.1
     """Weight of the value loss in the joint loss."""
     gamma: float = 1.0
     """Discount; 1 because the episode is one short response and the score arrives at its end."""
     lam: float = 0.95
-    """GAE lambda: trades bias (low) against variance (high) of the advantages."""
+    """GAE lambda: lower gives advantages of less variance and more bias (Schulman et al. 2016)."""
     kl_coef: float = 0.05
     """Initial weight of the per-token KL penalty (beta)."""
     kl_target: Optional[float] = None
-    """If set, adapt kl_coef to keep the per-sequence KL near this value (Ziegler et al. 2019), e.g. 6.0."""
+    """If set, adapt kl_coef to keep objective/kl (nats per sequence) near this (Ziegler et al. 2019; their code: 6)."""
     kl_horizon: int = 10000
     """Adaptive KL horizon, in episodes: how fast kl_coef moves towards the target."""
     whiten_rewards: bool = False
-    """Whiten the per-token rewards (mean kept) before GAE; helps when scores are badly scaled."""
+    """Whiten the per-token rewards (mean kept), over all processes, before GAE; helps when scores are badly scaled."""
     score_clip: Optional[float] = None
     """If set, scores are clipped to [-score_clip, score_clip] before they enter the reward."""
     local_rollout_forward_batch_size: int = 32
     """Rows per forward pass when computing logprobs, ref_logprobs and values (memory only)."""
     max_approxkl: Optional[float] = 1.0
-    """Stop the run (nothing of that update saved) when an update's mean approxkl exceeds this, in nats per token:
+    """Stop the run (nothing of that update saved) when an update's mean approxkl (k2) exceeds this, nats per token:
     a finite blow-up (far too high a learning rate) shows here long before a NaN. None: no check."""
     # --- evaluation, logging, saving ---
     eval_every: int = 5
@@ -161,9 +167,9 @@ class Args:
     resume_from: str = ""
     """Continue a run exactly from a `checkpoint-<update>` folder, `latest`, or `auto` (latest if any, else start)."""
     mixed_precision: str = "auto"
-    """`bf16`, `fp16` or `no` (float32) for the models' matrix products (accelerate's autocast); weights, optimizer
-    state, logprobs, values and losses stay float32. `auto`: `accelerate launch`'s --mixed_precision or config file if
-    set, else bf16 where the hardware multiplies in bf16 natively (CUDA, AVX512-BF16/AMX CPUs), else `no`; logged."""
+    """`bf16`, `fp16` or `no` (float32) for matrix products, by accelerate's autocast: weights, optimizer state,
+    logprobs, values and losses stay float32 (DeepSpeed, FSDP: their own bf16, README). `auto`: `accelerate launch`'s
+    setting if any, else bf16 where the hardware multiplies in bf16 (CUDA, AVX512-BF16/AMX CPUs), else `no`; logged."""
     dist_timeout_s: int = 900
     """Seconds a process waits in a collective before giving up (one failed process cannot hang the others)."""
     log_dir: str = "runs/tensorboard"
@@ -221,9 +227,9 @@ def position_ids_from_mask(attention_mask):
 
 @torch.no_grad()
 def evaluate(accelerator, models, reward_fn, tokenizer, eval_queries, args, stop_token_id):
-    """Sample and score (`compute_scores`) responses to the fixed held-out queries with a fixed seed, `models` =
-    (policy, ref_policy, value_model); returns the metrics over all processes (mean score, per-sequence KL to the
-    reference, response length) and a few (query, response, score) rows."""
+    """Sample and score (`compute_scores`) the fixed held-out queries' responses with a fixed seed, `models` = (policy,
+    ref_policy, value_model); returns a few (query, response, score) rows and metrics over all processes: eval/kl as
+    objective/kl; eval/scores the bare reward (objective/scores adds the missing-EOS penalty and score clip)."""
     query_ids, query_mask = (t.to(accelerator.device) for t in eval_queries)
     # autocast: rollouts are sampled and scored in the precision the training forward runs in (accelerate autocasts
     # only the prepared model's own forward), so at learning rate 0 the PPO ratio is exactly 1.
@@ -237,10 +243,8 @@ def evaluate(accelerator, models, reward_fn, tokenizer, eval_queries, args, stop
     scores, (prompts, outputs), _ = compute_scores(accelerator, reward_fn, tokenizer, query_ids, query_mask, responses,
                                                    response_mask)
     kl = ((out["logprobs"] - out["ref_logprobs"]) * response_mask).sum(1)
-    ones = torch.ones_like(kl)
-    score_mean, score_var = global_masked_stats(accelerator, scores, ones)
-    kl_mean, _ = global_masked_stats(accelerator, kl, ones)
-    length_mean, _ = global_masked_stats(accelerator, response_mask.sum(1).float(), ones)
+    (score_mean, score_var), (kl_mean, _), (length_mean, _) = (global_masked_stats(accelerator, x, torch.ones_like(kl))
+                                                               for x in (scores, kl, response_mask.sum(1).float()))
     metrics = {"eval/scores": score_mean.item(), "eval/scores_std": score_var.sqrt().item(),
                "eval/kl": kl_mean.item(), "eval/response_length": length_mean.item()}
     return metrics, list(zip(prompts, outputs, scores.tolist()))[: args.num_sample_generations]
@@ -273,8 +277,8 @@ def rollout(policy, query_ids, query_mask, args, stop_token_id, pad_token_id):
 def generate_with(model, generation_config, **inputs):
     """`model.generate(**inputs)` under `generation_config` and nothing else; returns what `generate` returns.
     transformers fills every setting a config leaves unset from the checkpoint's `generation_config.json`, where
-    instruct models ship repetition penalties, min_p, bad words or minimum lengths: any would make the sampled
-    distribution differ from the logprobs PPO stores. The checkpoint's config is set aside for the call only."""
+    instruct models ship repetition penalties, min_p, bad words or minimum lengths: any would make generation differ
+    from the script's flags (in PPO, from its logprobs). The checkpoint's config is set aside for the call only."""
     saved, model.generation_config = model.generation_config, generation_config
     try:
         return model.generate(**inputs, generation_config=generation_config)
@@ -330,16 +334,14 @@ def compute_scores(accelerator, reward_fn, tokenizer, query_ids, query_mask, res
 
 
 def per_token_rewards(scores, logprobs, ref_logprobs, response_mask, kl_coef):
-    """KL-shaped per-token rewards (Ziegler et al. 2019; Stiennon et al. 2020, eq. 2). Returns `(rewards, kl)`.
-
-    `scores` (B,) float32; `logprobs`, `ref_logprobs` (B, T) float32; `response_mask` (B, T) 1 on real tokens.
-    kl_t = logprob_t - ref_logprob_t (a one-sample estimate of KL(policy || ref) at token t), 0 on padding;
-    reward_t = -kl_coef * kl_t, and the score is added at the last real token: the RM judged the whole response, so
-    its score belongs to the action that completed it (the EOS, or token T-1 for a response cut at the length
-    limit). On a padding slot it would belong to no action and GAE, which ignores padding, would drop it.
-    """
-    mask = response_mask.float()
-    kl = (logprobs - ref_logprobs) * mask
+    """KL-shaped per-token rewards, `(rewards, kl)`: score - kl_coef * log(policy / ref) (Ziegler et al. 2019, Stiennon
+    et al. 2020) spread over tokens as lm-human-preferences does. `scores` (B,) float32; `logprobs`, `ref_logprobs`
+    (B, T) float32; `response_mask` (B, T) 1 on real tokens. kl_t = logprob_t - ref_logprob_t in nats, 0 on padding:
+    the k1 estimate of KL(policy || ref) at token t (Schulman, "Approximating KL Divergence"), unbiased, negative on
+    some tokens. reward_t = -kl_coef * kl_t, plus the score at the last real token: the RM judged the whole response,
+    so the score belongs to the action that completed it (the EOS, or token T-1 for a response cut at the length
+    limit). SFFD adds it on the padding slot after the EOS, no action's (here GAE, ignoring padding, would drop it)."""
+    kl = (logprobs - ref_logprobs) * response_mask.float()
     rewards = -kl_coef * kl
     last_real = response_mask.sum(1) - 1
     rewards[torch.arange(len(rewards), device=rewards.device), last_real] += scores
@@ -368,13 +370,10 @@ def global_masked_stats(accelerator, values, mask):
 
 
 def compute_gae(rewards, values, mask, gamma, lam):
-    """Generalized advantage estimation over the response (Schulman et al. 2016), returns `(advantages, returns)`.
-
-    `rewards`, `values`, `mask`: (B, T) float32, mask 1 on real response tokens. Token t+1 is bootstrapped only if
-    it is real, so nothing past a response's end (its padding's values or rewards) leaks into it; the last real
-    token is terminal. advantage_t = delta_t + gamma*lam*advantage_{t+1}, delta_t = r_t + gamma*V_{t+1} - V_t;
-    returns = advantages + values. Both outputs are 0 on padding.
-    """
+    """GAE over the response (Schulman et al. 2016): `(advantages, returns)`, 0 on padding, of `rewards`, `values`,
+    `mask` (B, T) float32, mask 1 on real tokens. Token t+1 is bootstrapped only if real, so nothing past a response's
+    end (its padding's values or rewards) leaks in; the last real token is terminal. advantage_t = delta_t +
+    gamma*lam*advantage_{t+1}, delta_t = r_t + gamma*V_{t+1} - V_t; returns = advantages + values."""
     values, rewards = values * mask, rewards * mask
     advantages = torch.zeros_like(rewards)
     last_advantage = torch.zeros_like(rewards[:, 0])
@@ -392,31 +391,32 @@ def ppo_epochs(accelerator, model, optimizer, scheduler, rollouts, args, update)
     `rollouts`: `query_responses`, `attention_mask` (B, Q+T) long and `logprobs`, `values`, `advantages`, `returns`,
     `mask` (B, T) float32, B = local_batch_size (`derive_sizes`). Returns the statistics, a dict of (E, M, U, 2) float32
     tensors of (sum, count) per (epoch, minibatch, microbatch), not yet reduced over processes. Raises
-    FloatingPointError on a non-finite gradient."""
+    FloatingPointError on a non-finite gradient. Minibatches: the batch is cut into processes x U columns (process p
+    holds columns pU .. pU+U-1, its rows in order), each permuted anew every epoch (so a rollout meets new ones);
+    minibatch m is the m-th slice of every permutation, the slice of column pU+u being microbatch u of process p:
+        rollouts  0 1 2 3 | 4 5 6 7 | 8 9 10 11 | 12 13 14 15    2 processes, U = 2, M = 2: minibatch m = rows 2m,
+        column       0    |    1    |     2     |      3         2m+1 of each column's permutation, 4 microbatches
+    All processes draw all permutations from one generator: on the same rollouts the steps depend on processes x U
+    only (2 processes x 1 microbatch = 1 x 2, up to rounding: resume_test.py), and with M = 1 on neither, as each
+    microbatch's loss is divided by the whole minibatch's tokens."""
     (E, M, U) = args.ppo_epochs, args.num_mini_batches, args.gradient_accumulation_steps
     stats = defaultdict(lambda: torch.zeros(E, M, U, 2, device=accelerator.device))
-    column = args.local_batch_size // U  # this process's rollouts, as U columns, one per microbatch slot
-    size = column // M
+    column_rows = args.local_batch_size // U  # this process's column u holds its rows u * column_rows onwards
+    slice_rows = column_rows // M  # rows a column gives each minibatch: one microbatch
     generator = torch.Generator().manual_seed(args.seed * 100_003 + update)  # same on every process, new per update
     for epoch in range(E):
-        # Reshuffle every epoch, so a rollout meets other rollouts in each epoch's minibatches. Every process draws
-        # every process's column permutations, so a microbatch holds the same rollouts on k processes x 1 microbatch
-        # as on 1 process x k microbatches: the update does not depend on the process count (README).
-        columns = [torch.randperm(column, generator=generator) for _ in range(accelerator.num_processes * U)]
-        mine = columns[accelerator.process_index * U : (accelerator.process_index + 1) * U]
+        orders = [torch.randperm(column_rows, generator=generator) for _ in range(accelerator.num_processes * U)]
+        my_orders = orders[accelerator.process_index * U : (accelerator.process_index + 1) * U]
         for mb in range(M):
-            microbatches = [perm[mb * size : (mb + 1) * size].to(accelerator.device) + u * column
-                            for u, perm in enumerate(mine)]
-            # The minibatch's real tokens, all microbatches of all processes: each microbatch's summed loss is
-            # divided by it, so the step is on the token mean of the whole minibatch however it is cut.
+            microbatches = [order[mb * slice_rows : (mb + 1) * slice_rows].to(accelerator.device) + u * column_rows
+                            for u, order in enumerate(my_orders)]
+            # The minibatch's real tokens, all microbatches and processes: each microbatch's loss sum is divided by it.
             n_tokens = accelerator.reduce(sum(rollouts["mask"][idx].sum() for idx in microbatches), reduction="sum")
             for u, idx in enumerate(microbatches):
                 mb_data = {k: v[idx] for k, v in rollouts.items()}
-                # accumulate(): no gradient all-reduce and no optimizer step until the U-th microbatch.
-                with accelerator.accumulate(model):
-                    new_logprobs, all_logprobs, new_values = model(mb_data["query_responses"],
-                                                                   mb_data["attention_mask"], args.query_length,
-                                                                   args.temperature)
+                with accelerator.accumulate(model):  # no all-reduce, no optimizer step until the U-th microbatch
+                    new_logprobs, all_logprobs, new_values = model(
+                        mb_data["query_responses"], mb_data["attention_mask"], args.query_length, args.temperature)
                     pg_loss, vf_loss, mb_stats = ppo_losses(
                         new_logprobs, mb_data["logprobs"], mb_data["advantages"], new_values, mb_data["values"],
                         mb_data["returns"], mb_data["mask"], args.cliprange, args.cliprange_value, n_tokens)
@@ -425,8 +425,7 @@ def ppo_epochs(accelerator, model, optimizer, scheduler, rollouts, args, update)
                     accelerator.backward(loss * (U * accelerator.num_processes))
                     if accelerator.sync_gradients:
                         grad_norm = accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
-                        # After the all-reduce, a NaN on any process is in every process's gradients: all stop.
-                        # (fp16's loss scaling skips a step whose gradients overflow: that one is not an error)
+                        # After the all-reduce a NaN anywhere is everywhere: all stop (fp16 skips overflowed steps).
                         fp16 = accelerator.mixed_precision == "fp16"
                         if grad_norm is not None and not math.isfinite(grad_norm) and not fp16:
                             raise FloatingPointError(f"update {update}: non-finite gradient (epoch {epoch}, "
@@ -434,7 +433,7 @@ def ppo_epochs(accelerator, model, optimizer, scheduler, rollouts, args, update)
                     optimizer.step()  # a no-op until the U-th microbatch
                     optimizer.zero_grad()
                 with torch.no_grad():
-                    # H = -sum_v p_v log p_v, as one dot product per token (no (B, T, V) product in memory).
+                    # H = -sum_v p_v log p_v, exact, nats per token: one dot product a token (p*log p is not stored).
                     entropy = -torch.einsum("btv,btv->bt", all_logprobs.exp(), all_logprobs)
                     mb_stats["policy/entropy"] = ((entropy * mb_data["mask"]).sum(), mb_data["mask"].sum())
                 for name, (total, count) in mb_stats.items():
@@ -445,51 +444,50 @@ def ppo_epochs(accelerator, model, optimizer, scheduler, rollouts, args, update)
 
 def ppo_losses(new_logprobs, logprobs, advantages, new_values, values, returns, mask, cliprange, cliprange_value,
                n_tokens=None):
-    """Clipped PPO policy loss and clipped value loss (Schulman et al. 2017), with their statistics.
-
-    All inputs (B, T) float32; `mask` 1 on real response tokens. Returns `(pg_loss, vf_loss, stats)`: the losses are
-    sums over the masked tokens divided by `n_tokens` (0-dim; default `mask.sum()`, the token mean); `stats` maps
-    names to `(sum, count)` pairs of 0-dim tensors, reduced over microbatches and processes before dividing. The
-    value loss takes the larger of the unclipped and the clipped squared error (OpenAI lm-human-preferences), x 0.5.
-    """
+    """Clipped PPO policy loss (Schulman et al. 2017) and clipped value loss (not in the paper: OpenAI's baselines
+    ppo2 and lm-human-preferences), with their statistics. All inputs (B, T) float32; `mask` 1 on real response
+    tokens. Returns `(pg_loss, vf_loss, stats)`: the losses are sums over the masked tokens divided by `n_tokens`
+    (0-dim; default `mask.sum()`, the token mean); `stats` maps names to `(sum, count)` pairs of 0-dim tensors, reduced
+    over microbatches and processes before dividing. The value loss is the larger squared error, x 0.5. A clip fraction
+    is the share of real tokens whose clipped term is the larger (no gradient), as in lm-human-preferences and SFFD:
+    advantage -1 at ratio 1.5 is not counted (cleanrl counts every ratio outside the range)."""
     count = mask.sum()
     n_tokens = count if n_tokens is None else n_tokens
     log_ratio = (new_logprobs - logprobs) * mask
     ratio = log_ratio.exp()
-    pg_losses = torch.max(-advantages * ratio, -advantages * ratio.clamp(1 - cliprange, 1 + cliprange))
-    pg_sum = (pg_losses * mask).sum()
+    pg_losses, pg_losses_clipped = -advantages * ratio, -advantages * ratio.clamp(1 - cliprange, 1 + cliprange)
+    pg_sum = (torch.max(pg_losses, pg_losses_clipped) * mask).sum()
     clipped_values = values + (new_values - values).clamp(-cliprange_value, cliprange_value)
-    vf_losses = torch.max((new_values - returns).square(), (clipped_values - returns).square())
-    vf_sum = 0.5 * (vf_losses * mask).sum()
+    vf_losses, vf_losses_clipped = (new_values - returns).square(), (clipped_values - returns).square()
+    vf_sum = 0.5 * (torch.max(vf_losses, vf_losses_clipped) * mask).sum()
     with torch.no_grad():
         stats = {
-            "policy/approxkl": (0.5 * (log_ratio.square() * mask).sum(), count),  # k2 estimator of KL(old || new)
-            "policy/clipfrac": (((advantages * (ratio - ratio.clamp(1 - cliprange, 1 + cliprange))).abs() > 0).float()
-                                .mul(mask).sum(), count),
+            "policy/approxkl": (0.5 * (log_ratio.square() * mask).sum(), count),  # k2 of KL(old || new), nats/token
+            "policy/clipfrac": (((pg_losses_clipped > pg_losses).float() * mask).sum(), count),
             "policy/max_abs_log_ratio": (log_ratio.abs().max(), torch.ones_like(count)),
-            "loss/policy": (pg_sum, count),
-            "loss/value": (vf_sum, count),
-            "val/clipfrac": (((new_values - values).abs() > cliprange_value).float().mul(mask).sum(), count),
-            "val/vpred": ((new_values * mask).sum(), count),
-            "val/ratio": ((ratio * mask).sum(), count),
+            "loss/policy": (pg_sum, count), "loss/value": (vf_sum, count),
+            "val/clipfrac": (((vf_losses_clipped > vf_losses).float() * mask).sum(), count),
+            "val/vpred": ((new_values * mask).sum(), count), "val/ratio": ((ratio * mask).sum(), count),
         }
     return pg_sum / n_tokens, vf_sum / n_tokens, stats
 
 
 def batch_metrics(accelerator, stats, kl_coef, scores, kl, logprobs, values, returns, advantages, mask,
                   contains_stop):
-    """Step (7)'s metrics, over all samples of all processes (names as in the N+ details paper). Takes the update's
-    tensors, (B,) or (B, T) float32, and `ppo_epochs`'s `stats`. Returns `(metrics, last_stats)`: a dict of floats
-    (one host sync) and the statistics reduced over processes, (E, M, U, 2) CPU tensors by name."""
-    seq_kl, ones = kl.sum(1), torch.ones_like(scores)
+    """Step (7)'s metrics, sums and counts over all samples of all processes, then divided. Takes the update's tensors,
+    (B,) or (B, T) float32, and `ppo_epochs`'s `stats`. Returns `(metrics, last_stats)`: a dict of floats (one host
+    sync) and the statistics reduced over processes, (E, M, U, 2) CPU tensors by name. In nats, of the distributions at
+    the sampling temperature: objective/kl and objective/entropy per sequence, sums of sampled per-token terms (k1,
+    -logprob); ppo/policy/entropy_avg per token, exact; approxkl per token, k2. objective/scores is after the missing-
+    EOS penalty and score clip, eval/scores before. Names: SFFD's where it logs the same; README lists them all."""
+    seq_kl, ones, stopped = kl.sum(1), torch.ones_like(scores), contains_stop.float()
     metrics = {}
     for name, value, weight in [("objective/kl", seq_kl, ones), ("objective/scores", scores, ones),
                                 ("objective/non_score_reward", -kl_coef * seq_kl, ones),
                                 ("objective/rlhf_reward", scores - kl_coef * seq_kl, ones),
                                 ("objective/entropy", -logprobs.sum(1), ones), ("ppo/val/mean", values, mask),
                                 ("ppo/returns/mean", returns, mask), ("ppo/advantages/mean", advantages, mask),
-                                ("ppo/response_length", mask.sum(1), ones),
-                                ("ppo/contains_eos", contains_stop.float(), ones)]:
+                                ("ppo/response_length", mask.sum(1), ones), ("ppo/contains_eos", stopped, ones)]:
         metrics[name], var = global_masked_stats(accelerator, value, weight)
         if name in ("objective/scores", "objective/kl", "ppo/returns/mean"):
             metrics[name.removesuffix("/mean") + "_std"] = var.sqrt()
@@ -499,6 +497,9 @@ def batch_metrics(accelerator, stats, kl_coef, scores, kl, logprobs, values, ret
         if name != "policy/max_abs_log_ratio":
             metrics[f"ppo/{name}_avg"] = table[..., 0].sum() / table[..., 1].sum()
     metrics["ppo/policy/max_abs_log_ratio"] = accelerator.gather(stats["policy/max_abs_log_ratio"][..., 0]).max()
+    # cleanrl's explained variance of the rollout values, over real tokens: 1 if exact, 0 if always the mean return.
+    var_returns, var_errors = (global_masked_stats(accelerator, x, mask)[1] for x in (returns, returns - values))
+    metrics["ppo/val/explained_variance"] = 1 - var_errors / var_returns
     return {k: v.item() for k, v in metrics.items()}, last_stats
 
 
@@ -621,8 +622,7 @@ def main(args: Args):
         progress.update(1)
         progress.set_postfix(score=f"{metrics['objective/scores']:.3f}", kl=f"{metrics['objective/kl']:.3f}")
 
-        # Adaptive KL (Ziegler et al. 2019, section 2.2): move kl_coef proportionally to the KL's relative error,
-        # clipped to +-20%, at a speed set by the horizon.
+        # Adaptive KL (Ziegler et al. 2019 section 2.2, their code's form): clipped relative error x batch / horizon.
         if args.kl_target is not None:
             error = max(min(metrics["objective/kl"] / args.kl_target - 1, 0.2), -0.2)
             kl_coef *= 1 + error * args.batch_size / args.kl_horizon

@@ -9,14 +9,15 @@ its last real token (normally the EOS that ends the reply), found from the atten
 
 After training, the scores are shifted so that held-out SFT-distribution text (the chosen and the rejected replies:
 for IMDB both are review endings, the kind of text the SFT model writes) scores 0 on average. The shift is saved as
-`reward_bias` in config.json and added by `get_reward`, so PPO starts with rewards centred at 0.
+`reward_bias` in config.json and added by `get_reward`, so PPO's scores start near 0 (not exactly: they are centred on
+held-out replies, not on the policy's own samples; the default PPO run's first held-out score is about 1).
 
 Default task (offline): the IMDB pairs of `build_imdb("rm")`: the closing words of a positive review are chosen over
 those of a negative one (reviews end with their verdict), each pair seen after the prompt of either review, so the
 reward model learns to score positive sentiment, not fit to the prompt.
 
 Run it (after `python sft.py`: its output folder is this script's default model):
-    python reward.py                                # CPU, default offline config (~6 minutes on 2 cores)
+    python reward.py                                # CPU, default offline config (~2.5 minutes on 2 cores)
     accelerate launch reward.py                     # 1 GPU, or whatever `accelerate config` says
     accelerate launch --config_file configs/multi_gpu.yaml reward.py          # 8 GPUs, DDP
     accelerate launch --config_file configs/deepspeed_zero2.yaml reward.py    # 8 GPUs, ZeRO-2
@@ -34,10 +35,12 @@ GPU raise them (e.g. --max_prompt_length 192 --max_length 256 --max_steps 230, o
         --max_prompt_length 64 --max_length 128 --max_steps 20 --eval_every 20 --eval_samples 100
 
 Follows: Stiennon et al. 2020 "Learning to summarize from human feedback" (pairwise loss on the final token's score,
-head initialised from N(0, 1/(d_model+1)), scores normalised to mean 0 before RL); Ouyang et al. 2022 "Training
-language models to follow instructions with human feedback" (InstructGPT), section 3.5 (RM from the SFT model, one
-epoch at most); Huang et al. 2024 "The N+ Implementation Details of RLHF with PPO: A Case Study on TL;DR
-Summarization" (head init, EOS-token score and padding, reward normalisation); Bradley & Terry 1952.
+head initialised from N(0, 1/(d_model+1)), scores shifted before RL so that the dataset's reference summaries score 0
+on average: here the held-out chosen and rejected replies do, as IMDB has no reference replies); Ouyang et al. 2022
+"Training language models to follow instructions with human feedback" (InstructGPT), section 3.5 (RM from the SFT
+model, one epoch at most); Huang et al. 2024 "The N+ Implementation Details of RLHF with PPO: A Case Study on TL;DR
+Summarization" and its code, vwxyzjn/summarize_from_feedback_details (head init, the score read at the EOS token; its
+bias is the mean score of the SFT data's reference summaries); Bradley & Terry 1952.
 """
 
 import contextlib
@@ -105,7 +108,8 @@ class Args:
     """Forward passes accumulated per optimizer step; global batch = this x batch size x processes (in pairs)."""
     max_steps: int = 60
     """Optimizer steps. 60 x 8 = 480 pairs (a fifteenth of an epoch of IMDB's 7,500) reach ~0.86 held-out accuracy
-    in about 6 CPU minutes (80 steps: no better). InstructGPT trains its RM for one epoch at most: more overfits."""
+    in ~2.5 minutes on 2 CPU cores (README; 80 steps: no better). InstructGPT trains its RM for one epoch at most: more
+    overfits."""
     warmup_ratio: float = 0.1
     """Fraction of `max_steps` with linear warm-up; the rest decays linearly to 0."""
     weight_decay: float = 0.0
@@ -132,9 +136,10 @@ class Args:
     """A `checkpoint-<step>` folder, `latest`, or `auto` (latest if there is one, else start fresh: for requeued
     jobs): continue that run exactly as if it had never stopped."""
     mixed_precision: str = "auto"
-    """`bf16`, `fp16` or `no` (float32) for the models' matrix products (accelerate's autocast); weights, optimizer
-    state, logprobs, values and losses stay float32. `auto`: `accelerate launch`'s --mixed_precision or config file if
-    set, else bf16 where the hardware multiplies in bf16 natively (CUDA, AVX512-BF16/AMX CPUs), else `no`; logged."""
+    """`bf16`, `fp16` or `no` (float32) for the model's matrix products (accelerate's autocast); weights, optimizer
+    state, scores and the loss stay float32 (under DeepSpeed and FSDP bf16 is the engine's own: README). `auto`:
+    `accelerate launch`'s --mixed_precision or config file if set, else bf16 where the hardware multiplies in bf16
+    natively (CUDA, AVX512-BF16/AMX CPUs), else `no`; logged."""
     dist_timeout_s: int = 900
     """Seconds a process waits in a collective before giving up, so one failed process cannot hang the others."""
     log_dir: str = "runs/tensorboard"
@@ -208,11 +213,11 @@ def evaluate_pairs(accelerator, model, eval_pairs, batch_size, pad_token_id):
 
     Scores with the plain `model`, not the DDP wrapper, whose forward would wait for the other processes (buffer
     broadcast) when the shares differ in length. Sums and counts are reduced over processes, then divided. Returns a
-    dict of `eval/*` floats (loss, accuracy, mean and std of the chosen and rejected scores) and this process's
-    `(chosen, rejected)` scores, (len(eval_pairs), 2) float32 on the CPU.
+    dict of `eval/*` floats (loss, accuracy, mean and unbiased std of the chosen and rejected scores) and this
+    process's `(chosen, rejected)` scores, (len(eval_pairs), 2) float32 on the CPU.
     """
     model.eval()
-    sums = torch.zeros(7, device=accelerator.device)  # pairs, loss, correct, chosen, rejected, chosen^2, rejected^2
+    sums = torch.zeros(5, device=accelerator.device)  # pairs, loss, correct, chosen, rejected
     local_scores = [torch.zeros(0, 2)]
     for i in range(0, len(eval_pairs), batch_size):
         batch = collate_pairs(eval_pairs[i : i + batch_size], pad_token_id)
@@ -221,16 +226,21 @@ def evaluate_pairs(accelerator, model, eval_pairs, batch_size, pad_token_id):
                                 batch["attention_mask"].to(accelerator.device))
         loss, correct, chosen, rejected = pair_stats(scores)
         sums += torch.stack([loss.new_tensor(float(len(loss))), loss.sum(), correct.sum(), chosen.sum(),
-                             rejected.sum(), chosen.square().sum(), rejected.square().sum()])
+                             rejected.sum()])
         local_scores.append(torch.stack([chosen, rejected], 1).cpu())
-    n, loss, correct, chosen, rejected, chosen_sq, rejected_sq = accelerator.reduce(sums, reduction="sum").tolist()
+    n, loss, correct, chosen, rejected = accelerator.reduce(sums, reduction="sum").tolist()
     n = max(n, 1.0)
+    # Two passes, as ppo.py's global_masked_stats: the means over all processes first, then the squared deviations
+    # from them. The one-pass E[x^2] - E[x]^2 cancels catastrophically in float32 when the mean dwarfs the spread.
+    mine = torch.cat(local_scores)  # (this process's pairs, 2): chosen, rejected
+    means = torch.tensor([chosen / n, rejected / n], device=accelerator.device)
+    squares = accelerator.reduce((mine.to(accelerator.device) - means).square().sum(0), reduction="sum")
+    chosen_var, rejected_var = (squares / max(n - 1, 1.0)).tolist()
     model.train()
     metrics = {"eval/loss": loss / n, "eval/accuracy": correct / n,
                "eval/scores_chosen_mean": chosen / n, "eval/scores_rejected_mean": rejected / n,
-               "eval/scores_chosen_std": max(chosen_sq / n - (chosen / n) ** 2, 0.0) ** 0.5,
-               "eval/scores_rejected_std": max(rejected_sq / n - (rejected / n) ** 2, 0.0) ** 0.5}
-    return metrics, torch.cat(local_scores)
+               "eval/scores_chosen_std": chosen_var ** 0.5, "eval/scores_rejected_std": rejected_var ** 0.5}
+    return metrics, mine
 
 
 def score_table(rows, scores):
@@ -442,8 +452,8 @@ def main(args: Args):
 
     # --- 4. normalise, save -------------------------------------------------------------------------------------------
     # The final evaluation also sets the reward bias: held-out SFT-distribution text (chosen and rejected replies,
-    # equally many) should score 0 on average (Stiennon et al. 2020; N+ details), so PPO's rewards start centred,
-    # whatever offset training left in the scores.
+    # equally many) should score 0 on average, so PPO's scores start near 0 whatever offset training left in them.
+    # Stiennon et al. 2020 and the N+ code centre on the dataset's reference replies instead (README, "Departures").
     metrics = log_eval(step)
     reward_bias = -(metrics["eval/scores_chosen_mean"] + metrics["eval/scores_rejected_mean"]) / 2
     accelerator.log({"eval/reward_bias": reward_bias}, step=step)

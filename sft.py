@@ -25,7 +25,9 @@ Run it:
 
 Follows: Ouyang et al. 2022 "Training language models to follow instructions with human feedback" (InstructGPT),
 section 3.5 (SFT); Huang et al. 2024 "The N+ Implementation Details of RLHF with PPO: A Case Study on TL;DR
-Summarization" (loss on completion tokens only, EOS handling when pad == eos).
+Summarization" (an EOS appended to every completion, and learnt). Their code, vwxyzjn/summarize_from_feedback_details,
+pads with a separate [PAD] token and puts the loss on the query tokens too; here the loss is on completion tokens
+only, and padding is told by length because SmolLM2 pads with its EOS.
 """
 
 import contextlib
@@ -88,7 +90,7 @@ class Args:
     gradient_accumulation_steps: int = 1
     """Forward passes accumulated per optimizer step; global batch = this x batch size x processes."""
     max_steps: int = 80
-    """Optimizer steps. 80 x 8 = 640 demonstrations is enough to learn the review style and fits ~4 minutes of CPU."""
+    """Optimizer steps. 80 x 8 = 640 demonstrations learn the review style in ~2.5 minutes on 2 CPU cores (README)."""
     warmup_ratio: float = 0.1
     """Fraction of `max_steps` with linear warm-up; the rest decays linearly to 0."""
     weight_decay: float = 0.0
@@ -114,9 +116,10 @@ class Args:
     """A `checkpoint-<step>` folder, `latest`, or `auto` (latest if there is one, else start fresh: for requeued
     jobs): continue that run exactly as if it had never stopped."""
     mixed_precision: str = "auto"
-    """`bf16`, `fp16` or `no` (float32) for the models' matrix products (accelerate's autocast); weights, optimizer
-    state, logprobs, values and losses stay float32. `auto`: `accelerate launch`'s --mixed_precision or config file if
-    set, else bf16 where the hardware multiplies in bf16 natively (CUDA, AVX512-BF16/AMX CPUs), else `no`; logged."""
+    """`bf16`, `fp16` or `no` (float32) for the model's matrix products (accelerate's autocast); weights, optimizer
+    state and the loss stay float32 (under DeepSpeed and FSDP bf16 is the engine's own: README). `auto`: `accelerate
+    launch`'s --mixed_precision or config file if set, else bf16 where the hardware multiplies in bf16 natively (CUDA,
+    AVX512-BF16/AMX CPUs), else `no`; logged."""
     dist_timeout_s: int = 900
     """Seconds a process waits in a collective before giving up, so one failed process cannot hang the others."""
     log_dir: str = "runs/tensorboard"
@@ -161,7 +164,7 @@ def collate_sft(examples, pad_token_id):
 
 @torch.no_grad()
 def evaluate_sft(accelerator, model, eval_loader):
-    """Token-weighted mean completion loss over the whole held-out set, reduced over all processes."""
+    """Token-weighted mean completion loss (nats per completion token) over the whole held-out set, all processes."""
     model.eval()
     totals = torch.zeros(2, device=accelerator.device)
     for batch in eval_loader:
@@ -194,8 +197,8 @@ def generate_samples(model, tokenizer, prompts, max_prompt_length, max_length, s
 def generate_with(model, generation_config, **inputs):
     """`model.generate(**inputs)` under `generation_config` and nothing else; returns what `generate` returns.
     transformers fills every setting a config leaves unset from the checkpoint's `generation_config.json`, where
-    instruct models ship repetition penalties, min_p, bad words or minimum lengths: any would make the sampled
-    distribution differ from the logprobs PPO stores. The checkpoint's config is set aside for the call only."""
+    instruct models ship repetition penalties, min_p, bad words or minimum lengths: any would make generation differ
+    from the script's flags (in PPO, from its logprobs). The checkpoint's config is set aside for the call only."""
     saved, model.generation_config = model.generation_config, generation_config
     try:
         return model.generate(**inputs, generation_config=generation_config)

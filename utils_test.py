@@ -329,6 +329,104 @@ def test_derive_sizes_rejects_uneven_batches():
 
 
 # ---------------------------------------------------------------------------------------------------------------
+# metric definitions, on hand-made cases: clip fractions, explained variance, KL and entropy units, RM statistics
+# ---------------------------------------------------------------------------------------------------------------
+def test_clip_fractions_count_the_tokens_the_clip_takes_the_gradient_from():
+    """A token counts when its clipped term is the larger one, the one the max takes, so it gets no gradient (the
+    N+ code, SFFD, and lm-human-preferences). Advantage -1 at ratio 1.5 is outside the range but not counted: its
+    unclipped loss 1.5 exceeds the clipped 1.2, and its gradient pulls the ratio back (cleanrl's |ratio - 1| > 0.2
+    would count it). The same for values: a value past the range that the unclipped error still trains is not."""
+    adv = torch.tensor([[1.0, -1.0, 1.0, -1.0, 1.0]])
+    ratio = torch.tensor([[1.5, 1.5, 0.5, 0.5, 1.5]])
+    mask = torch.tensor([[1.0, 1.0, 1.0, 1.0, 0.0]])  # the last token is padding
+    new_logprobs, new_values = ratio.log().requires_grad_(), torch.tensor([[0.5, -0.5, 0.1, 2.0, 0.5]]).requires_grad_()
+    zeros, returns = torch.zeros(1, 5), torch.ones(1, 5)  # rollout logprobs and values 0, returns 1
+    pg_loss, vf_loss, stats = ppo.ppo_losses(new_logprobs, zeros, adv, new_values, zeros, returns, mask,
+                                             cliprange=0.2, cliprange_value=0.2)
+    (pg_loss + vf_loss).backward()
+    # policy: (+1, 1.5) and (-1, 0.5) take the clipped term; (-1, 1.5) and (+1, 0.5) the unclipped one
+    assert [total.item() for total in stats["policy/clipfrac"]] == [2.0, 4.0]
+    assert (new_logprobs.grad[0, :4] == 0).tolist() == [True, False, False, True]
+    # values (rollout value 0, return 1, clip 0.2): 0.5 -> clipped 0.2 has the larger error: counted, no gradient;
+    # -0.5 and 2.0 lie outside the range too, but their own errors are the larger ones: trained; 0.1 is inside.
+    assert [total.item() for total in stats["val/clipfrac"]] == [1.0, 4.0]
+    assert (new_values.grad[0, :4] == 0).tolist() == [True, False, False, False]
+
+
+def metrics_of_an_update(values, returns, mask, logprobs=None, kl=None, stats=None):
+    """`ppo.batch_metrics` on hand-made tensors, one process; what is not given is zero."""
+    B, T = returns.shape
+    zeros = torch.zeros(B, T)
+    stats = stats or {"policy/max_abs_log_ratio": torch.zeros(1, 1, 1, 2)}
+    metrics, _ = ppo.batch_metrics(Accelerator(cpu=True), stats, 0.1, torch.zeros(B), zeros if kl is None else kl,
+                                   zeros if logprobs is None else logprobs, values, returns, zeros, mask,
+                                   torch.ones(B, dtype=torch.bool))
+    return metrics
+
+
+def test_explained_variance_is_one_for_a_perfect_value_model_and_zero_for_the_mean():
+    """cleanrl's 1 - Var[returns - values] / Var[returns], over the real tokens of the update only."""
+    torch.manual_seed(0)
+    returns = torch.randn(4, 5)
+    mask = (torch.arange(5)[None] < torch.tensor([[5], [2], [4], [1]])).float()
+    garbage = 100.0 * (1 - mask)  # padding values, which must not count
+    returns = returns * mask
+    perfect = metrics_of_an_update(returns + garbage, returns, mask)
+    assert perfect["ppo/val/explained_variance"] == 1.0
+    mean_return = returns.sum() / mask.sum()
+    constant = metrics_of_an_update(mean_return * mask + garbage, returns, mask)
+    assert constant["ppo/val/explained_variance"] == pytest.approx(0.0, abs=1e-6)
+    worse = metrics_of_an_update(-returns, returns, mask)  # anticorrelated: worse than predicting the mean
+    assert worse["ppo/val/explained_variance"] < 0
+
+
+def test_kl_and_entropy_metrics_are_per_sequence_or_per_token_in_nats():
+    """objective/kl and objective/entropy are per response: sums over its real tokens of the sampled per-token
+    terms (logprob - ref_logprob; -logprob). ppo/policy/entropy_avg is exact and per token: -sum_v p_v log p_v of the
+    training forward, averaged over real tokens. Hand case: a uniform policy over 3 tokens, responses of 2 and 1
+    real tokens, so H = log 3 nats per token and the responses' sampled entropies are 2 log 3 and log 3."""
+    log3 = torch.tensor(3.0).log().item()
+    mask = torch.tensor([[1.0, 1.0], [1.0, 0.0]])
+    args = ppo.Args(ppo_epochs=1, num_mini_batches=1, gradient_accumulation_steps=1, query_length=2)
+    args.local_batch_size = 2
+    ids = torch.arange(2)
+    rollouts = {"query_responses": torch.stack([ids] * 4, 1), "attention_mask": torch.ones(2, 4), "mask": mask,
+                **{k: torch.zeros(2, 2) for k in ("logprobs", "values", "advantages", "returns")}}
+    model = RecordingModel()  # all_logprobs: log_softmax of equal logits over 3 tokens
+    stats = ppo.ppo_epochs(FakeAccelerator(0, 1, 1), model, torch.optim.SGD(model.parameters(), lr=0.0),
+                           types.SimpleNamespace(step=lambda: None), rollouts, args, update=1)
+    assert stats["policy/entropy"][0, 0, 0].tolist() == pytest.approx([3 * log3, 3.0])  # (sum, real tokens)
+    kl = torch.tensor([[0.5, -0.2], [0.1, 0.0]]) * mask
+    metrics = metrics_of_an_update(torch.zeros(2, 2), torch.randn(2, 2) * mask, mask, logprobs=-log3 * mask, kl=kl,
+                                   stats=stats)
+    assert metrics["ppo/policy/entropy_avg"] == pytest.approx(log3)  # per token
+    assert metrics["objective/entropy"] == pytest.approx(1.5 * log3)  # per sequence: mean of 2 log 3 and log 3
+    assert metrics["objective/kl"] == pytest.approx(0.2)  # per sequence: mean of 0.5 - 0.2 and 0.1
+
+
+def test_an_end_to_end_run_logs_the_metric_definitions(tiny_chain):
+    """The tiny chain's PPO updates log explained variance and clip fractions as defined above: finite, in range."""
+    _, results = tiny_chain
+    for metrics in results["history"]:
+        assert float("-inf") < metrics["ppo/val/explained_variance"] <= 1.0
+        assert 0.0 <= metrics["ppo/policy/clipfrac_avg"] <= 1.0 and 0.0 <= metrics["ppo/val/clipfrac_avg"] <= 1.0
+        assert metrics["ppo/policy/entropy_avg"] > 0
+
+
+def test_reward_model_statistics_are_two_pass(monkeypatch):
+    """reward.py's held-out score std is taken as ppo.py's global_masked_stats takes it: the mean first, then the
+    squared deviations. Scores near +-1e4 with a spread of 0.1: float32's one-pass E[x^2] - E[x]^2 loses the spread."""
+    torch.manual_seed(0)
+    chosen, rejected = 1e4 + 0.1 * torch.randn(8), -1e4 + 0.1 * torch.randn(8)
+    batches = iter([torch.cat([chosen[:4], rejected[:4]]), torch.cat([chosen[4:], rejected[4:]])])
+    monkeypatch.setattr(reward, "get_reward", lambda model, input_ids, attention_mask: next(batches))
+    metrics, scores = reward.evaluate_pairs(Accelerator(cpu=True), torch.nn.Identity(), [([1, 2], [1, 3])] * 8, 4, 0)
+    assert scores.tolist() == torch.stack([chosen, rejected], 1).tolist()
+    assert metrics["eval/scores_chosen_std"] == pytest.approx(chosen.double().std().item(), rel=0.02)
+    assert metrics["eval/scores_rejected_std"] == pytest.approx(rejected.double().std().item(), rel=0.02)
+
+
+# ---------------------------------------------------------------------------------------------------------------
 # data
 # ---------------------------------------------------------------------------------------------------------------
 def test_split_prompt_hh_style():
