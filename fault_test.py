@@ -264,7 +264,7 @@ def test_sigterm_to_accelerate_launch_with_two_processes(tiny_model_dir, tmp_pat
     holds both processes' random states, and the resumed run equals an uninterrupted one."""
     straight, stopped = str(tmp_path / "straight"), str(tmp_path / "stopped")
     launch = ACCELERATE + ["--multi_gpu", "--num_processes", "2", "--main_process_port",
-                           str(29500 + os.getpid() % 1000)]
+                           "0"]
     env = {"ACCELERATE_USE_CPU": "true"}
     cmd = stage_command("sft", tiny_model_dir, None, straight, "straight")[1:]
     cmd[cmd.index("--per_device_train_batch_size") + 1] = "2"
@@ -413,7 +413,7 @@ def test_nan_on_one_process_stops_every_process_with_the_same_line(tiny_model_di
     script = tmp_path / "nan_driver.py"
     script.write_text(NAN_ON_ONE_PROCESS)
     cmd = ACCELERATE + ["--multi_gpu", "--num_processes", "2", "--main_process_port",
-                        str(29500 + os.getpid() % 1000), str(script), HERE, tiny_model_dir, str(tmp_path / "out"),
+                        "0", str(script), HERE, tiny_model_dir, str(tmp_path / "out"),
                         str(tmp_path / "tb")]
     started = time.time()
     proc = run(cmd, env={"ACCELERATE_USE_CPU": "true"}, check=False)
@@ -429,7 +429,7 @@ def test_collective_timeout_names_the_flag(tiny_model_dir, tmp_path):  # noqa: F
     import psutil
 
     cmd = ACCELERATE + ["--multi_gpu", "--num_processes", "2", "--main_process_port",
-                        str(29500 + os.getpid() % 1000), "sft.py", "--model_name_or_path", tiny_model_dir,
+                        "0", "sft.py", "--model_name_or_path", tiny_model_dir,
                         "--max_steps", "40", "--per_device_train_batch_size", "2", "--eval_every", "100",
                         "--eval_samples", "4", "--output_dir", str(tmp_path / "out"), "--log_dir",
                         str(tmp_path / "tb"), "--dist_timeout_s", "10"]
@@ -461,3 +461,77 @@ def test_collective_timeout_names_the_flag(tiny_model_dir, tmp_path):  # noqa: F
     text = "".join(output)
     assert stopped, text[-3000:]
     assert "error: a collective between processes timed out (--dist_timeout_s 10 s)" in text, text[-3000:]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# a finished run exits 0: no abort while the interpreter shuts down (run_as_command ends with exit_process)
+# ---------------------------------------------------------------------------------------------------------------
+GIL_AT_SHUTDOWN = r'''"""Test-only driver (written by fault_test.py): `python driver.py HERE RANK FOLDER ENDING`, 2 processes, gloo.
+
+Process 0 starts an all-reduce and ends (ENDING `exit_process`: sft.exit_process(0), as run_as_command ends a run;
+`plain`: the interpreter's own shutdown) while gloo's worker thread still has to take the GIL for it: here to run a
+Python callback when the collective completes (in the scripts, to free the last collective's tensors). Process 1
+joins the collective only once process 0 is shutting down, so the thread wants the GIL exactly then, however loaded
+the machine is. Files in FOLDER are the handshake.
+"""
+import os, sys, time
+sys.path.insert(0, sys.argv[1])
+import torch, torch.distributed as dist
+import sft
+rank, folder, ending = int(sys.argv[2]), sys.argv[3], sys.argv[4]
+dist.init_process_group("gloo", init_method="file://" + os.path.join(folder, "store"), rank=rank, world_size=2)
+
+
+def wait_for(path, sleep=time.sleep, exists=os.path.exists):  # (no module globals: they are gone at shutdown)
+    for _ in range(1200):  # 60 s at most
+        if exists(path):
+            return
+        sleep(0.05)
+
+
+if rank == 1:
+    wait_for(os.path.join(folder, "shutting_down"))
+    dist.all_reduce(torch.ones(10))
+    open(os.path.join(folder, "reduced"), "w").close()
+    os._exit(0)
+
+
+class Last:
+    def __del__(self, open=open, folder=folder, join=os.path.join, wait_for=wait_for, sleep=time.sleep):
+        # runs during the interpreter's shutdown, not before
+        open(join(folder, "shutting_down"), "w").close()
+        wait_for(join(folder, "reduced"))
+        sleep(10.0)  # the GIL released: the worker thread, done with the reduce, asks for it now (and aborts)
+
+
+last = Last()
+work = dist.all_reduce(torch.ones(10), async_op=True)
+work.get_future().then(lambda future: None)  # run by gloo's worker thread, with the GIL, once the reduce is done
+if ending == "exit_process":
+    sft.exit_process(0)
+'''
+
+
+@pytest.mark.skipif(sys.version_info >= (3, 14), reason="Python 3.14 parks such threads instead of ending them")
+def test_exit_process_survives_a_gloo_thread_that_needs_the_gil_at_shutdown(tmp_path):
+    """The abort that made finished 2-process runs exit with SIGABRT, forced: gloo's worker thread asks for the GIL
+    while process 0's interpreter shuts down. Ended by the interpreter, the process aborts every time ('terminate
+    called without an active exception'); ended by `exit_process` (as `run_as_command` ends every run), it exits 0."""
+    driver = tmp_path / "gil_at_shutdown.py"
+    driver.write_text(GIL_AT_SHUTDOWN)
+    for ending in ("plain", "exit_process"):
+        folder = tmp_path / ending
+        folder.mkdir()
+        cmd = [sys.executable, str(driver), HERE, "{rank}", str(folder), ending]
+        other = subprocess.Popen([c.format(rank=1) for c in cmd], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        try:
+            proc = subprocess.run([c.format(rank=0) for c in cmd], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                  text=True, timeout=TIMEOUT)
+        finally:
+            other.kill()
+            other.wait()
+        if ending == "plain":
+            assert proc.returncode == -signal.SIGABRT, (proc.returncode, proc.stdout[-2000:])
+            assert "terminate called without an active exception" in proc.stdout
+        else:
+            assert proc.returncode == 0, proc.stdout[-2000:]

@@ -31,6 +31,7 @@ Details of RLHF with PPO: A Case Study on TL;DR Summarization" and its code, vwx
 "SFFD" (truncation after EOS, value model from the RM, metric names; where and why ours differs: README, "Departures").
 """
 
+import atexit
 import contextlib
 import ctypes
 import gc
@@ -231,8 +232,7 @@ def evaluate(accelerator, models, reward_fn, tokenizer, eval_queries, args, stop
     ref_policy, value_model); returns a few (query, response, score) rows and metrics over all processes: eval/kl as
     objective/kl; eval/scores the bare reward (objective/scores adds the missing-EOS penalty and score clip)."""
     query_ids, query_mask = (t.to(accelerator.device) for t in eval_queries)
-    # autocast: rollouts are sampled and scored in the precision the training forward runs in (accelerate autocasts
-    # only the prepared model's own forward), so at learning rate 0 the PPO ratio is exactly 1.
+    # autocast: sampled and scored in the training forward's precision (accelerate autocasts only that), ratio 1 at lr 0
     with torch.random.fork_rng(devices=[accelerator.device] if accelerator.device.type == "cuda" else []), \
             accelerator.autocast():
         torch.manual_seed(args.seed + 1000 + accelerator.process_index)  # same draws at every evaluation
@@ -1607,9 +1607,10 @@ def one_line_error(error, dist_timeout_s):
 
 
 def run_as_command(main, args):
-    """Run `main(args)` as the command line does: SIGTERM/SIGINT stop it cleanly at the next step boundary (exit
-    PREEMPTED_EXIT_CODE, checkpoint written), and bad input, a diverged run, a failed save or a failed collective
-    end with one `error: ...` line (exit 1) instead of a traceback. Exceptions of other kinds keep their traceback.
+    """Run `main(args)` as the command line does and end the process with its status (`exit_process`): 0 when the
+    run finished; PREEMPTED_EXIT_CODE when SIGTERM/SIGINT stopped it at a step boundary, checkpoint written; 1 after
+    one `error: ...` line for bad input, a diverged run, a failed save or a failed collective, or after the
+    traceback of any other exception.
     """
     stop_on_signals()
     try:
@@ -1618,15 +1619,15 @@ def run_as_command(main, args):
         if PartialState().is_main_process:
             print(f"stopped by {stopped}", flush=True)
         PartialState().destroy_process_group()
-        raise SystemExit(PREEMPTED_EXIT_CODE)
+        exit_process(PREEMPTED_EXIT_CODE)
     except Exception as error:
         line = one_line_error(error, args.dist_timeout_s)
         if line is None:
-            raise
+            sys.excepthook(*sys.exc_info())  # the traceback, as Python would print it
+            exit_process(1)
     else:
-        # Leave the process group cleanly (nothing to do for one process): gloo can abort at exit without it.
-        PartialState().destroy_process_group()
-        return
+        PartialState().destroy_process_group()  # nothing to do for one process
+        exit_process(0)
     # Out of the except block the failed run's frames go (gc.collect for cycles), so its open progress bars close
     # first and the error is the last line; written in one write(2), so processes sharing a log never splice lines.
     gc.collect()
@@ -1635,8 +1636,28 @@ def run_as_command(main, args):
         os.write(sys.stderr.fileno(), (line + "\n").encode())
     except (AttributeError, OSError, ValueError):  # a stream without a file descriptor (a test's capture)
         print(line, file=sys.stderr, flush=True)
-    raise SystemExit(1)
+    exit_process(1)
 
+
+def exit_process(status):
+    """End the process now with exit status `status`, without the interpreter's own shutdown.
+
+    Why: with several processes (gloo), a run that had saved everything could still die at exit with `terminate
+    called without an active exception` (SIGABRT, status -6: a failed job to a scheduler). After a collective, the
+    gloo worker thread that ran it releases the collective's tensors a moment after the caller has moved on; when
+    the caller has already dropped their Python objects (the save's closing `gather_object` does), that thread
+    takes the GIL to free them. While the interpreter shuts down, Python (before 3.14) ends any thread that waits
+    for the GIL by unwinding its stack, and unwinding through that C++ destructor aborts the process
+    (pytorch/pytorch#190489). `destroy_process_group` does not stop these threads: DDP, DeepSpeed and FSDP keep the
+    process group alive. So, as Python's multiprocessing ends the processes it forks: run the exit handlers (they
+    flush logging) while the interpreter is whole, flush the streams, and leave with `os._exit`. Everything the run
+    writes is closed by then (the saves, the trackers in `end_training`).
+    """
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(status)
 
 if __name__ == "__main__":
     run_as_command(main, tyro.cli(Args))

@@ -157,7 +157,7 @@ def test_kill_during_checkpoint_write_keeps_the_previous_one(tiny_model_dir, tin
 # ---------------------------------------------------------------------------------------------------------------
 def launch(num_processes, args):
     """`accelerate launch` on CPU (gloo) with `num_processes` processes."""
-    port = str(29500 + os.getpid() % 1000)
+    port = "0"  # the launcher's store binds a port the OS picks: no launch shares a port with another
     launcher = [sys.executable, "-m", "accelerate.commands.launch", "--num_machines", "1", "--mixed_precision", "no",
                 "--dynamo_backend", "no", "--num_processes", str(num_processes), "--main_process_port", port]
     if num_processes > 1:
@@ -196,46 +196,48 @@ from accelerate import Accelerator
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 model_dir, rm_dir, out = sys.argv[2], sys.argv[3], sys.argv[4]
 accumulation, minibatches = int(sys.argv[5]), int(sys.argv[6])
-accelerator = Accelerator(gradient_accumulation_steps=accumulation)
-args = ppo.derive_sizes(ppo.Args(batch_size=8, num_mini_batches=minibatches, gradient_accumulation_steps=accumulation,
-                                 ppo_epochs=2, query_length=5, temperature=0.7, total_episodes=8),
-                        accelerator.num_processes)
-model = ppo.PolicyAndValue(ppo.load_model(model_dir, AutoModelForCausalLM),
-                           ppo.load_model(rm_dir, AutoModelForSequenceClassification, num_labels=1))
-optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, eps=1e-5, weight_decay=0.0, fused=True)
-scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
-model, optimizer = accelerator.prepare(model, optimizer)
-# The same global rollouts for any number of processes; process i takes rows [i*L, (i+1)*L).
-g = torch.Generator().manual_seed(0)
-B, Q, T = 8, 5, 8
-query_responses = torch.randint(10, 1000, (B, Q + T), generator=g)
-# Responses of very unequal lengths (1 to 8 tokens): microbatches then hold different numbers of tokens.
-response_mask = (torch.arange(T)[None] < torch.tensor([[1], [8], [2], [7], [1], [3], [8], [1]])).long()
-attention_mask = torch.cat([torch.ones(B, Q, dtype=torch.long), response_mask], 1)
-mask = response_mask.float()
-with torch.no_grad():
-    logprobs, _, values = accelerator.unwrap_model(model)(query_responses, attention_mask, Q, 0.7)
-rewards = torch.randn(B, T, generator=g) * mask
-advantages, returns = ppo.compute_gae(rewards, values * mask, mask, 1.0, 0.95)
-rows = slice(accelerator.process_index * args.local_batch_size, (accelerator.process_index + 1) * args.local_batch_size)
-advantages = ppo.masked_whiten(accelerator, advantages[rows], mask[rows])  # whitened over all processes
-rollouts = {"query_responses": query_responses[rows], "attention_mask": attention_mask[rows],
-            "logprobs": logprobs[rows] * mask[rows], "values": values[rows] * mask[rows], "advantages": advantages,
-            "returns": returns[rows], "mask": mask[rows]}
-stats = ppo.ppo_epochs(accelerator, model, optimizer, scheduler, rollouts, args, update=1)
-totals = {k: accelerator.reduce(v, reduction="sum")[..., 0].sum() / accelerator.reduce(v, reduction="sum")[..., 1].sum()
-          for k, v in stats.items() if k != "policy/max_abs_log_ratio"}
-if accelerator.is_main_process:
-    torch.save(accelerator.unwrap_model(model).state_dict(), out + ".pt")
-    json.dump({k: v.item() for k, v in totals.items()}, open(out + ".json", "w"))
-accelerator.wait_for_everyone()
-if torch.distributed.is_initialized():  # a clean shutdown: gloo can abort a process left to exit mid-teardown
-    torch.distributed.destroy_process_group()
-# Even so, this script's second process was seen to abort *after* its Python code had finished ("terminate called
-# without an active exception" during interpreter teardown: 2 of 5 pytest runs, 1 of 32 direct launches; not seen in
-# ppo.py's own 2-process runs). The results are written and checked above, so skip the teardown.
-sys.stdout.flush()
-import os; os._exit(0)
+
+
+def update(args):
+    """One PPO update (`ppo_epochs`) of hand-made rollouts, the same for any number of processes."""
+    accelerator = Accelerator(gradient_accumulation_steps=accumulation)
+    args = ppo.derive_sizes(args, accelerator.num_processes)
+    model = ppo.PolicyAndValue(ppo.load_model(model_dir, AutoModelForCausalLM),
+                               ppo.load_model(rm_dir, AutoModelForSequenceClassification, num_labels=1))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, eps=1e-5, weight_decay=0.0, fused=True)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    # The same global rollouts for any number of processes; process i takes rows [i*L, (i+1)*L).
+    g = torch.Generator().manual_seed(0)
+    B, Q, T = 8, 5, 8
+    query_responses = torch.randint(10, 1000, (B, Q + T), generator=g)
+    # Responses of very unequal lengths (1 to 8 tokens): microbatches then hold different numbers of tokens.
+    response_mask = (torch.arange(T)[None] < torch.tensor([[1], [8], [2], [7], [1], [3], [8], [1]])).long()
+    attention_mask = torch.cat([torch.ones(B, Q, dtype=torch.long), response_mask], 1)
+    mask = response_mask.float()
+    with torch.no_grad():
+        logprobs, _, values = accelerator.unwrap_model(model)(query_responses, attention_mask, Q, 0.7)
+    rewards = torch.randn(B, T, generator=g) * mask
+    advantages, returns = ppo.compute_gae(rewards, values * mask, mask, 1.0, 0.95)
+    rows = slice(accelerator.process_index * args.local_batch_size,
+                 (accelerator.process_index + 1) * args.local_batch_size)
+    advantages = ppo.masked_whiten(accelerator, advantages[rows], mask[rows])  # whitened over all processes
+    rollouts = {"query_responses": query_responses[rows], "attention_mask": attention_mask[rows],
+                "logprobs": logprobs[rows] * mask[rows], "values": values[rows] * mask[rows], "advantages": advantages,
+                "returns": returns[rows], "mask": mask[rows]}
+    stats = ppo.ppo_epochs(accelerator, model, optimizer, scheduler, rollouts, args, update=1)
+    sums = {k: accelerator.reduce(v, reduction="sum") for k, v in stats.items() if k != "policy/max_abs_log_ratio"}
+    totals = {k: v[..., 0].sum() / v[..., 1].sum() for k, v in sums.items()}
+    if accelerator.is_main_process:
+        torch.save(accelerator.unwrap_model(model).state_dict(), out + ".pt")
+        json.dump({k: v.item() for k, v in totals.items()}, open(out + ".json", "w"))
+    accelerator.wait_for_everyone()
+
+
+# Ends as the scripts do (`run_as_command`): exit status 0 once every process is done.
+ppo.run_as_command(update, ppo.Args(batch_size=8, num_mini_batches=minibatches,
+                                    gradient_accumulation_steps=accumulation, ppo_epochs=2, query_length=5,
+                                    temperature=0.7, total_episodes=8))
 '''
 
 
@@ -309,7 +311,7 @@ def test_ppo_py_refuses_zero3(tiny_model_dir, tiny_rm_dir, tmp_path):  # noqa: F
     env = {k: v for k, v in os.environ.items() if k != "ACCELERATE_USE_CPU"}
     proc = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--config_file",
                            "configs/deepspeed_zero3.yaml", "--num_processes", "2", "--main_process_port",
-                           str(29500 + os.getpid() % 1000), "ppo.py", "--sft_model_path", tiny_model_dir,
+                           "0", "ppo.py", "--sft_model_path", tiny_model_dir,
                            "--reward_model_path", tiny_rm_dir, "--output_dir", out, "--log_dir",
                            str(tmp_path / "tb")], cwd=HERE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                           text=True, timeout=TIMEOUT, env=env)

@@ -43,6 +43,7 @@ Summarization" and its code, vwxyzjn/summarize_from_feedback_details (head init,
 bias is the mean score of the SFT data's reference summaries); Bradley & Terry 1952.
 """
 
+import atexit
 import contextlib
 import ctypes
 import gc
@@ -1156,9 +1157,10 @@ def one_line_error(error, dist_timeout_s):
 
 
 def run_as_command(main, args):
-    """Run `main(args)` as the command line does: SIGTERM/SIGINT stop it cleanly at the next step boundary (exit
-    PREEMPTED_EXIT_CODE, checkpoint written), and bad input, a diverged run, a failed save or a failed collective
-    end with one `error: ...` line (exit 1) instead of a traceback. Exceptions of other kinds keep their traceback.
+    """Run `main(args)` as the command line does and end the process with its status (`exit_process`): 0 when the
+    run finished; PREEMPTED_EXIT_CODE when SIGTERM/SIGINT stopped it at a step boundary, checkpoint written; 1 after
+    one `error: ...` line for bad input, a diverged run, a failed save or a failed collective, or after the
+    traceback of any other exception.
     """
     stop_on_signals()
     try:
@@ -1167,15 +1169,15 @@ def run_as_command(main, args):
         if PartialState().is_main_process:
             print(f"stopped by {stopped}", flush=True)
         PartialState().destroy_process_group()
-        raise SystemExit(PREEMPTED_EXIT_CODE)
+        exit_process(PREEMPTED_EXIT_CODE)
     except Exception as error:
         line = one_line_error(error, args.dist_timeout_s)
         if line is None:
-            raise
+            sys.excepthook(*sys.exc_info())  # the traceback, as Python would print it
+            exit_process(1)
     else:
-        # Leave the process group cleanly (nothing to do for one process): gloo can abort at exit without it.
-        PartialState().destroy_process_group()
-        return
+        PartialState().destroy_process_group()  # nothing to do for one process
+        exit_process(0)
     # Out of the except block the failed run's frames go (gc.collect for cycles), so its open progress bars close
     # first and the error is the last line; written in one write(2), so processes sharing a log never splice lines.
     gc.collect()
@@ -1184,8 +1186,28 @@ def run_as_command(main, args):
         os.write(sys.stderr.fileno(), (line + "\n").encode())
     except (AttributeError, OSError, ValueError):  # a stream without a file descriptor (a test's capture)
         print(line, file=sys.stderr, flush=True)
-    raise SystemExit(1)
+    exit_process(1)
 
+
+def exit_process(status):
+    """End the process now with exit status `status`, without the interpreter's own shutdown.
+
+    Why: with several processes (gloo), a run that had saved everything could still die at exit with `terminate
+    called without an active exception` (SIGABRT, status -6: a failed job to a scheduler). After a collective, the
+    gloo worker thread that ran it releases the collective's tensors a moment after the caller has moved on; when
+    the caller has already dropped their Python objects (the save's closing `gather_object` does), that thread
+    takes the GIL to free them. While the interpreter shuts down, Python (before 3.14) ends any thread that waits
+    for the GIL by unwinding its stack, and unwinding through that C++ destructor aborts the process
+    (pytorch/pytorch#190489). `destroy_process_group` does not stop these threads: DDP, DeepSpeed and FSDP keep the
+    process group alive. So, as Python's multiprocessing ends the processes it forks: run the exit handlers (they
+    flush logging) while the interpreter is whole, flush the streams, and leave with `os._exit`. Everything the run
+    writes is closed by then (the saves, the trackers in `end_training`).
+    """
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(status)
 
 if __name__ == "__main__":
     run_as_command(main, tyro.cli(Args))

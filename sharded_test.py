@@ -53,7 +53,7 @@ def launch_two(config, args, run_name, env_extra=None, fails=False):
     """`accelerate launch` of `args` on 2 CPU processes: DDP (gloo) when `config` is None, else under
     `configs/<config>.yaml` (or the file `config`, a path ending in .yaml), with the variables `env_extra` added.
     Returns the combined output; fails the test on a non-zero exit (with `fails`: on a zero exit) or a timeout."""
-    port = str(29500 + os.getpid() % 1000)
+    port = "0"  # the launcher's store binds a port the OS picks: no launch shares a port with another
     launcher = [sys.executable, "-m", "accelerate.commands.launch", "--num_machines", "1", "--mixed_precision", "no",
                 "--dynamo_backend", "no", "--num_processes", "2", "--num_cpu_threads_per_process", "1",
                 "--main_process_port", port]
