@@ -376,6 +376,50 @@ def multi_node_commands():
     return commands
 
 
+DIST_TIMEOUT_DRIVER = r'''"""Test-only driver (written by multinode_test.py): process 1 never joins process 0's all-reduce."""
+import sys, time
+sys.path.insert(0, sys.argv[1])
+import torch
+import sft
+
+
+def main(args):
+    accelerator = sft.make_accelerator(args)
+    assert accelerator.num_processes == 2  # torchrun on CPUs: accelerate needs ACCELERATE_USE_CPU to see them
+    if accelerator.process_index == 1:
+        time.sleep(120)
+    else:
+        accelerator.reduce(torch.ones(1), "sum")
+
+
+sft.run_as_command(main, sft.Args(dist_timeout_s=5, mixed_precision="auto", log_dir=sys.argv[2]))
+'''
+
+
+def test_dist_timeout_holds_when_the_launcher_sets_no_precision(tmp_path):
+    """torchrun (like a bare DeepSpeed launch) sets no ACCELERATE_MIXED_PRECISION, so `--mixed_precision auto` asks
+    for the device before the Accelerator exists: the process group must still get `--dist_timeout_s` (it used to
+    be made then with the default 30 minutes). Process 0 waits on an all-reduce process 1 never joins: it stops with
+    the one-line timeout error within seconds of the 5 s timeout."""
+    driver = tmp_path / "dist_timeout.py"
+    driver.write_text(DIST_TIMEOUT_DRIVER)
+    env = {k: v for k, v in os.environ.items() if k != "ACCELERATE_MIXED_PRECISION"}
+    env.update(ACCELERATE_USE_CPU="true", CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
+    start = time.monotonic()
+    proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                             str(driver), HERE, str(tmp_path / "tb")], cwd=HERE, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        output, _ = proc.communicate(timeout=100)
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGTERM)  # torch's launcher stops its workers on SIGTERM
+        output, _ = proc.communicate(timeout=60)
+        pytest.fail(f"still waiting after 100 s: the process group ignored --dist_timeout_s\n{output[-3000:]}")
+    assert proc.returncode != 0, output[-3000:]
+    assert "error: a collective between processes timed out (--dist_timeout_s 5 s)" in output, output[-3000:]
+    assert time.monotonic() - start < 90, output[-3000:]
+
+
 def test_every_multi_node_command_carries_a_rendezvous_timeout():
     commands = multi_node_commands()
     # README: 2 accelerate launch + 2 torchrun; the docstring: 1; multi_node.yaml: 2; the ZeRO-3 and FSDP configs: 1

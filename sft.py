@@ -55,7 +55,7 @@ import tyro
 from accelerate import Accelerator, PartialState
 from accelerate.logging import get_logger
 from accelerate.utils import (DistributedType, InitProcessGroupKwargs, broadcast_object_list, gather_object,
-                               set_seed)
+                               parse_flag_from_env, set_seed)
 from safetensors import SafetensorError
 from tqdm.auto import tqdm
 from transformers import (AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig, PretrainedConfig,
@@ -741,11 +741,13 @@ def process_group_kwargs(timeout_s):
 def make_accelerator(args):
     """The Accelerator of every script: tensorboard logs under `--log_dir`, `--gradient_accumulation_steps`, the
     `--dist_timeout_s` collective timeout and the `--mixed_precision` choice (`choose_precision`): logged, and
-    written back into `args`, so that a checkpoint records the precision it was trained in."""
+    written back into `args`, so that a checkpoint records the precision it was trained in. The process group is
+    made first, with the timeout: `choose_precision` asks for the device, which would otherwise make it without."""
+    handler = process_group_kwargs(args.dist_timeout_s)
+    PartialState(parse_flag_from_env("ACCELERATE_USE_CPU"), **handler.to_kwargs())  # as Accelerator would make it
     accelerator = Accelerator(log_with="tensorboard", project_dir=args.log_dir,
                               gradient_accumulation_steps=args.gradient_accumulation_steps,
-                              mixed_precision=choose_precision(args.mixed_precision),
-                              kwargs_handlers=[process_group_kwargs(args.dist_timeout_s)])
+                              mixed_precision=choose_precision(args.mixed_precision), kwargs_handlers=[handler])
     logger.info(f"mixed precision: {accelerator.mixed_precision} (--mixed_precision {args.mixed_precision})",
                 main_process_only=True)
     if accelerator.mixed_precision == "fp16" and accelerator.device.type == "cpu":  # accelerate would run float32
