@@ -311,6 +311,22 @@ def test_divergence_stops_the_run_and_keeps_earlier_checkpoints(tiny_model_dir, 
     assert after == before  # no checkpoint written or pruned, the earlier output untouched
 
 
+@pytest.mark.parametrize("stage", ["sft", "reward"])
+def test_sft_and_reward_stop_a_diverged_run_and_keep_earlier_checkpoints(stage, tiny_model_dir, tmp_path):  # noqa: F811
+    """A far too high learning rate (10): the training loss, smoothed, climbs past twice its lowest value and past
+    its first step's; the run stops with one line naming the step, before writing anything of it: the checkpoints
+    are the last two written before that step (save every step, keep 2), and no output folder."""
+    out = str(tmp_path / stage)
+    proc = run(stage_command(stage, tiny_model_dir, None, out, "bad", ["--max_steps", "30", "--save_every", "1",
+                                                                      "--save_total_limit", "2", "--learning_rate",
+                                                                      "10"]), check=False)
+    assert_one_line_error(proc, "the run diverged (training loss smoothed over ~10 steps", stage)
+    step = int(re.search(r"error: step (\d+):", last_line(proc)).group(1))
+    assert 2 <= step < 30 and "nothing of this step was saved" in last_line(proc)
+    assert set(os.listdir(out + "-checkpoints")) == {f"checkpoint-{k}" for k in (step - 2, step - 1) if k > 0}
+    assert not os.path.exists(out)
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # bad data, flags and checkpoints: one line before any work, on every process alike
 # ---------------------------------------------------------------------------------------------------------------

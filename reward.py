@@ -60,6 +60,7 @@ import sys
 import time
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Optional
 
 import datasets
 import torch
@@ -117,6 +118,10 @@ class Args:
     """AdamW weight decay (0, as is usual for short fine-tuning)."""
     max_grad_norm: float = 1.0
     """Gradient clipping threshold (global L2 norm)."""
+    max_loss_ratio: Optional[float] = 2.0
+    """Stop with one error line, saving nothing of that step, once the training loss smoothed over ~10 steps is
+    above this many times its lowest smoothed value and above its first step's (`watch_loss`): the run diverged.
+    The default runs stay below their first value throughout (README). None: never stop."""
     # --- evaluation, logging, saving ---
     eval_every: int = 30
     """Optimizer steps between held-out evaluations (also run at the start and end)."""
@@ -151,7 +156,8 @@ class Args:
 
 # Settings that do not change what is trained: a checkpoint may be resumed with other values for them.
 NOT_TRAINING_CONFIG = {"resume_from", "save_every", "save_total_limit", "checkpoint_dir", "run_name", "log_dir",
-                       "output_dir", "overwrite_output_dir", "dist_timeout_s", "eval_every", "num_table_examples"}
+                       "output_dir", "overwrite_output_dir", "dist_timeout_s", "max_loss_ratio", "eval_every",
+                       "num_table_examples"}
 
 
 def tokenize_pairs(rows, tokenizer, max_prompt_length, max_length):
@@ -310,6 +316,24 @@ def pair_stats(scores):
     return -F.logsigmoid(chosen - rejected), (chosen > rejected).float(), chosen, rejected
 
 
+def watch_loss(watch, loss, max_loss_ratio, step):
+    """Stop a diverged run: raise FloatingPointError when the training loss, smoothed over about 10 steps (an
+    exponential mean, 0.1 on the newest step), is above both `max_loss_ratio` times its lowest smoothed value so
+    far and its first step's value. A run that learns stays below where it started however its loss jitters; one
+    whose learning rate is too high climbs past both. `watch` holds the smoothed, lowest and first values ({} at
+    the start), updated in place and saved in checkpoints, so a resumed run watches as the uninterrupted one did.
+    `max_loss_ratio` None: never. The loss is whatever the script trains (SFT: nats per completion token; reward
+    model: nats per pair). NaN is left to the non-finite gradient check."""
+    smoothed = loss if not watch else 0.9 * watch["smoothed"] + 0.1 * loss
+    watch.update(smoothed=smoothed, first=watch.get("first", smoothed), lowest=min(watch.get("lowest", loss), smoothed))
+    if max_loss_ratio is not None and smoothed > max(max_loss_ratio * watch["lowest"], watch["first"]):
+        raise FloatingPointError(f"step {step}: the run diverged (training loss smoothed over ~10 steps "
+                                 f"{smoothed:.4g}, above --max_loss_ratio {max_loss_ratio} x its lowest "
+                                 f"{watch['lowest']:.4g} and above its first {watch['first']:.4g}); nothing of this "
+                                 "step was saved, earlier checkpoints are kept. Start a new run with a lower "
+                                 "--learning_rate (resuming would repeat the same steps).")
+
+
 def main(args: Args):
     """Train the reward model end to end, normalise its scores (`reward_bias`) and save it to `output_dir`."""
     logging.basicConfig(format="%(asctime)s %(levelname)s %(message)s", level=logging.INFO)
@@ -405,9 +429,9 @@ def main(args: Args):
     # Model, optimizer, scheduler and RNG states come back as they were saved.
     state = load_checkpoint(accelerator, args.resume_from, checkpoint_dir, config) if args.resume_from else None
     if state is not None:
-        step = state["step"]
+        step, watch = state["step"], state.get("loss_watch", {})
     else:
-        step = 0
+        step, watch = 0, {}
         log_eval(0)
     reward_model.train()
     progress = tqdm(total=args.max_steps, initial=step, desc="reward", disable=not accelerator.is_local_main_process)
@@ -437,15 +461,16 @@ def main(args: Args):
         step += 1
         progress.update(1)
         n, loss_sum, correct_sum = accelerator.reduce(totals, reduction="sum").tolist()
-        accelerator.log({"train/loss": loss_sum / n, "train/accuracy": correct_sum / n,
-                         "train/lr": scheduler.get_last_lr()[0]}, step=step)
+        watch_loss(watch, loss_sum / n, args.max_loss_ratio, step)  # before anything of a diverged step is saved
+        accelerator.log({"train/loss": loss_sum / n, "train/loss_smoothed": watch["smoothed"],
+                         "train/accuracy": correct_sum / n, "train/lr": scheduler.get_last_lr()[0]}, step=step)
         progress.set_postfix(loss=f"{loss_sum / n:.3f}", acc=f"{correct_sum / n:.2f}")
         if step % args.eval_every == 0 and step < args.max_steps:
             log_eval(step)
         stop = stop_requested(accelerator)  # SIGTERM/SIGINT on any process: checkpoint now, whatever --save_every
         if (args.save_every and step % args.save_every == 0) or stop:
-            path = save_checkpoint(accelerator, checkpoint_dir, step, {"step": step, "config": config},
-                                   args.save_total_limit)
+            path = save_checkpoint(accelerator, checkpoint_dir, step, {"step": step, "loss_watch": watch,
+                                                                       "config": config}, args.save_total_limit)
         if stop:
             raise Preempted(f"{stop} after step {step}: checkpoint {path}; to continue, run the same command with "
                             "--resume_from auto")

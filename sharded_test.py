@@ -230,8 +230,8 @@ FSDP_ON_CPU = '''"""Test-only driver (written by sharded_test.py): under
     ACCELERATE_USE_CPU=true accelerate launch --config_file configs/fsdp.yaml --num_processes 2 fsdp_on_cpu.py \\
         SCRIPT.py ARGS...
 it runs SCRIPT's `main` exactly as its `__main__` does (`run_as_command(main, tyro.cli(Args))`), but with accelerate's
-FSDP set-up on CPU processes (gloo). accelerate 1.15 does not do that by itself, for two reasons, both adapted here,
-in this process only (the scripts are unchanged):
+FSDP set-up on CPU processes (gloo). accelerate 1.15 and PyTorch's FSDP do not do that by themselves; five things are
+adapted here, in this process only (the scripts are unchanged):
   (1) `fsdp_sync_module_states: true` (rank 0's weights broadcast at wrap time) makes accelerate look for an
       accelerator device, and PyTorch FSDP refuses it for CPU tensors: it is set to false. Every process loads the
       same files, so the weights agree without the broadcast.
@@ -243,6 +243,10 @@ in this process only (the scripts are unchanged):
   (4) accelerate gathers full state dicts with `offload_to_cpu=True`, a copy from the accelerator to the CPU. For
       parameters already on the CPU PyTorch FSDP's `FlatParamHandle.to_cpu` "moves" the gathered parameter onto
       itself and then frees it, and the state dict reads freed memory (a segmentation fault): there it does nothing.
+  (5) Likewise accelerate gathers the full optimizer state with `offload_to_cpu=True`. PyTorch FSDP then copies each
+      gathered state with `.cpu()` instead of cloning it, which for a CPU tensor is no copy: the gather buffer is
+      reused for the next state, and every saved `exp_avg` held the `exp_avg_sq` values (a resumed run then
+      stepped differently). Offloading is turned off for it, so each state is cloned.
 To show that the model really is sharded, every `Accelerator.prepare` records, per process, the type of each prepared
 model and its local and whole parameter counts in $FSDP_REPORT_DIR/rank<r>.json.
 """
@@ -272,6 +276,7 @@ def init(self, *args, **kwargs):  # (2)
         self.fsdp_plugin = plugin
         PartialState._shared_state["distributed_type"] = DistributedType.FSDP  # as accelerate ends its own set-up
         self.device = PartialState._shared_state["device"] = torch.device("cpu")  # (3)
+        plugin.optim_state_dict_config.offload_to_cpu = False  # (5)
 
 
 original_to_cpu = FlatParamHandle.to_cpu
@@ -316,7 +321,7 @@ module.run_as_command(module.main, tyro.cli(module.Args))
 
 def launch_fsdp(args, run_name, tmp_path, config="fsdp"):
     """`launch_two` under configs/fsdp.yaml (or `config`), through the FSDP_ON_CPU driver (see its docstring for the
-    four adaptations of accelerate and PyTorch, in the test's processes only). Checks that every model `prepare`
+    five adaptations of accelerate and PyTorch, in the test's processes only). Checks that every model `prepare`
     returned on each of the 2 processes is FSDP-wrapped and holds about half of its parameters, the other half on the
     other process."""
     driver = tmp_path / "fsdp_on_cpu.py"
@@ -391,6 +396,34 @@ def test_fsdp_equals_ddp(stage, tiny_model_dir, tmp_path):  # noqa: F811
     assert_same_saved_weights(str(tmp_path / "ddp"), str(tmp_path / "fsdp"), FSDP_ATOL)
     model_class = AutoModelForSequenceClassification if stage == "reward" else AutoModelForCausalLM
     model_class.from_pretrained(tmp_path / "fsdp")
+
+
+@pytest.mark.parametrize("stage", ["sft", "reward", "ppo_multinode"])
+def test_fsdp_resume_equals_uninterrupted(stage, tiny_model_dir, tiny, tmp_path):  # noqa: F811
+    """Under FSDP (configs/fsdp.yaml, version 1, really sharded: `launch_fsdp`) a checkpoint holds what accelerate's
+    save_state writes for FSDP (the models and optimizer states as the config's state-dict type says, every
+    process's random state): resuming from the checkpoint in the middle of a run (step 3 of 6 for sft.py and
+    reward.py, update 2 of 4 for ppo_multinode.py) ends where that run ended, and the resumed run did start there."""
+    runs, log_dir = {}, str(tmp_path / "tb")
+    for name in ("straight", "resumed"):
+        runs[name] = tmp_path / name
+        if stage == "ppo_multinode":
+            args = run_args(tiny, runs[name], run_name=name, log_dir=log_dir, total_episodes=16)
+            checkpoint = runs["straight"] / "model-checkpoints" / "checkpoint-2"
+            args.update({"save_every": 2} if name == "straight" else {"resume_from": str(checkpoint)})
+            cmd = ["python", "ppo_multinode.py", *[f"--{k}={v}" for k, v in args.items()]]
+        else:
+            extra = ["--save_every", "3"] if name == "straight" else \
+                ["--resume_from", str(runs["straight"]) + "-checkpoints/checkpoint-3"]
+            cmd = stage_command(stage, tiny_model_dir, None, str(runs[name]), name, extra)
+            cmd[cmd.index("--per_device_train_batch_size") + 1] = "2"
+        launch_fsdp(cmd, name, tmp_path)
+    final, resumed_steps, earlier = ({"model", "model/value_model"}, {3, 4}, {1, 2}) if stage == "ppo_multinode" \
+        else ({""}, {4, 5, 6}, {1, 2, 3})
+    assert not any(scalars(log_dir, "resumed", earlier).values())  # it did start after the checkpoint
+    assert assert_same_scalars(log_dir, "straight", "resumed", resumed_steps, FSDP_ATOL) >= 3
+    for folder in final:
+        assert_same_saved_weights(str(runs["straight"] / folder), str(runs["resumed"] / folder), FSDP_ATOL)
 
 
 # ---------------------------------------------------------------------------------------------------------------
