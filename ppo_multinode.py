@@ -398,7 +398,7 @@ def per_token_rewards(scores, logprobs, ref_logprobs, response_mask, kl_coef):
     the k1 estimate of KL(policy || ref) at token t (Schulman, "Approximating KL Divergence"), unbiased, negative on
     some tokens. reward_t = -kl_coef * kl_t, plus the score at the last real token: the RM judged the whole response,
     so the score belongs to the action that completed it (the EOS, or token T-1 if cut at the length limit). SFFD adds
-    it on the padding slot after the EOS, no action's (GAE here ignores padding); lm-human-preferences on slot T-1."""
+    it on the padding slot after the EOS, no action's (our GAE would drop it); lm-human-preferences on slot T-1."""
     kl = (logprobs - ref_logprobs) * response_mask.float()
     rewards = -kl_coef * kl
     last_real = response_mask.sum(1) - 1
