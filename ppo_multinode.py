@@ -6,7 +6,7 @@ This is ppo.py with only what scaling out changes (`diff ppo.py ppo_multinode.py
   - only the main process loads the reward model, on `--reward_device` (e.g. `cuda:7`, a GPU no trainer uses).
   - ZeRO-3 and FSDP (versions 1 and 2) shard the weights: generation runs with `synced_gpus` (every process steps
     until all have stopped), under FSDP with the root unit's parameters gathered (`sharded_generation_context`);
-    frozen models load whole; every process evaluates as many held-out prompts.
+    frozen models load whole; every process evaluates as many held-out prompts (eval_prompts // processes).
 
 Run it:
     python ppo_multinode.py                                 # 1 process: the same run, metric for metric, as ppo.py
@@ -131,7 +131,7 @@ class Args:
     """Microbatches per minibatch and process, gradients summed before the step. With one minibatch only memory
     changes (and float rounding); with more, it also changes which rollouts share a minibatch (`ppo_epochs`)."""
     total_episodes: int = 480
-    """Rollouts in the whole run, all processes: 480 = 15 updates (~6 CPU minutes, README); SFFD's TL;DR runs: 1M."""
+    """Rollouts in the whole run, all processes: 480 = 15 updates (~6 min on 2 CPU cores, README); SFFD's TL;DR: 1M."""
     ppo_epochs: int = 2
     """Passes over each batch of rollouts (SFFD: noptepochs; TRL: num_ppo_epochs)."""
     learning_rate: float = 2e-5
@@ -142,8 +142,8 @@ class Args:
     cliprange: float = 0.2
     """PPO policy ratio clip epsilon."""
     cliprange_value: float = 0.2
-    """Value clip (lm-human-preferences, SFFD): the loss is max((V - R)^2, (clip(V, V_old +- this) - R)^2), so a new
-    value V gets no gradient where the clipped one's error is the larger; nothing holds V within the range."""
+    """Value clip (lm-human-preferences, SFFD): the loss is 0.5 max((V - R)^2, (clip(V, V_old +- this) - R)^2), so a
+    new value V gets no gradient where the clipped one's error is the larger; nothing holds V within the range."""
     vf_coef: float = 0.1
     """Weight of the value loss in the joint loss."""
     gamma: float = 1.0
@@ -164,7 +164,7 @@ class Args:
     """Rows per forward pass when computing logprobs, ref_logprobs and values (memory only)."""
     max_approxkl: Optional[float] = 1.0
     """Stop the run (nothing of that update saved) when an update's mean approxkl (k2) exceeds this, nats per token:
-    a finite blow-up (far too high a learning rate) shows here long before a NaN. None: no check."""
+    it catches a blow-up that stays finite (far too high a learning rate), which no NaN check sees. None: no check."""
     # --- evaluation, logging, saving ---
     eval_every: int = 5
     """PPO updates between held-out evaluations (also run before the first and after the last update)."""
@@ -183,9 +183,9 @@ class Args:
     resume_from: str = ""
     """Continue a run exactly from a `checkpoint-<update>` folder, `latest`, or `auto` (latest if any, else start)."""
     mixed_precision: str = "auto"
-    """`bf16`, `fp16` or `no` (float32) for matrix products, by accelerate's autocast: weights, optimizer state,
-    logprobs, values and losses stay float32 (DeepSpeed, FSDP: their own bf16, README). `auto`: `accelerate launch`'s
-    setting if any, else bf16 where the hardware multiplies in bf16 (CUDA, AVX512-BF16/AMX CPUs), else `no`; logged."""
+    """`bf16`, `fp16` or `no` (float32) matrix products (accelerate's autocast): weights, optimizer state, logprobs,
+    values, losses stay float32 (DeepSpeed, FSDP: their own bf16, README). `auto`: `accelerate launch`'s setting (`no`
+    without its flag or a config), else bf16 if the hardware has it (CUDA, AVX512-BF16/AMX CPUs), else `no`; logged."""
     dist_timeout_s: int = 900
     """Seconds a process waits in a collective before giving up (one failed process cannot hang the others); it must
     cover the reward call, during which the other processes wait."""
@@ -265,7 +265,7 @@ def sharded_generation_context(accelerator, model):
 def evaluate(accelerator, models, reward_fn, tokenizer, eval_queries, args, stop_token_id, synced_gpus, rng_devices):
     """Sample and score (`compute_scores`) the fixed held-out queries' responses with a fixed seed, `models` = (policy,
     ref_policy, value_model); returns a few (query, response, score) rows and metrics over all processes: eval/kl as
-    objective/kl; eval/scores the bare reward (objective/scores adds the missing-EOS penalty and score clip)."""
+    objective/kl; eval/scores the bare reward (objective/scores has the missing-EOS penalty and score clip)."""
     query_ids, query_mask = (t.to(accelerator.device) for t in eval_queries)
     # autocast: sampled and scored in the training forward's precision (accelerate autocasts only that), ratio 1 at lr 0
     with torch.random.fork_rng(devices=[accelerator.device] if accelerator.device.type == "cuda" else []), \
@@ -393,12 +393,12 @@ def compute_scores(accelerator, reward_fn, tokenizer, query_ids, query_mask, res
 
 def per_token_rewards(scores, logprobs, ref_logprobs, response_mask, kl_coef):
     """KL-shaped per-token rewards, `(rewards, kl)`: score - kl_coef * log(policy / ref) (Ziegler et al. 2019, Stiennon
-    et al. 2020) spread over tokens as lm-human-preferences does. `scores` (B,) float32; `logprobs`, `ref_logprobs`
+    et al. 2020), the KL term per token as in lm-human-preferences. `scores` (B,) float32; `logprobs`, `ref_logprobs`
     (B, T) float32; `response_mask` (B, T) 1 on real tokens. kl_t = logprob_t - ref_logprob_t in nats, 0 on padding:
     the k1 estimate of KL(policy || ref) at token t (Schulman, "Approximating KL Divergence"), unbiased, negative on
     some tokens. reward_t = -kl_coef * kl_t, plus the score at the last real token: the RM judged the whole response,
-    so the score belongs to the action that completed it (the EOS, or token T-1 for a response cut at the length
-    limit). SFFD adds it on the padding slot after the EOS, no action's (here GAE, ignoring padding, would drop it)."""
+    so the score belongs to the action that completed it (the EOS, or token T-1 if cut at the length limit). SFFD adds
+    it on the padding slot after the EOS, no action's (our GAE would drop it); lm-human-preferences on slot T-1."""
     kl = (logprobs - ref_logprobs) * response_mask.float()
     rewards = -kl_coef * kl
     last_real = response_mask.sum(1) - 1
@@ -537,7 +537,7 @@ def batch_metrics(accelerator, stats, kl_coef, scores, kl, logprobs, values, ret
     sync) and the statistics reduced over processes, (E, M, U, 2) CPU tensors by name. In nats, of the distributions at
     the sampling temperature: objective/kl and objective/entropy per sequence, sums of sampled per-token terms (k1,
     -logprob); ppo/policy/entropy_avg per token, exact; approxkl per token, k2. objective/scores is after the missing-
-    EOS penalty and score clip, eval/scores before. Names: SFFD's where it logs the same; README lists them all."""
+    EOS penalty and score clip, eval/scores before. Names: SFFD's but where README's Metrics table says otherwise."""
     seq_kl, ones, stopped = kl.sum(1), torch.ones_like(scores), contains_stop.float()
     metrics = {}
     for name, value, weight in [("objective/kl", seq_kl, ones), ("objective/scores", scores, ones),
@@ -586,7 +586,7 @@ def main(args: Args):
     # --- models: policy and ref from SFT, value model, the reward; dropout off -----------------------------------
     policy, ref_policy, value_model, reward_fn, rng_devices = load_models(args, plugged_reward, tokenizer, accelerator)
     model = PolicyAndValue(policy, value_model)
-    # fused=True: one kernel for all parameters instead of a loop over tensors (several times faster on CPU).
+    # fused=True: AdamW's arithmetic in one op over all parameters (torch's CPU default loops over them in Python).
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, eps=1e-5, weight_decay=0.0, fused=True)
     # Linear anneal to 0 over the run's optimizer steps, stepped by hand (a prepared one would step once per process).
     total_steps = args.num_updates * args.ppo_epochs * args.num_mini_batches

@@ -27,8 +27,9 @@ Run it (after `python sft.py`: its output folder is this script's default model)
     # equal to DDP on 2 processes, ZeRO-2 and ZeRO-3 (sharded_test.py); FSDP too, through a test-only driver
     accelerate launch --config_file configs/deepspeed_zero2.yaml --num_processes 2 reward.py
 Anthropic HH, harmless-base (1,849 training pairs, 463 held out). Its dialogues run to hundreds of tokens: on CPU
-keep the last 64 prompt tokens and cut the run to 20 steps (~5 minutes on 2 cores, held-out accuracy ~0.6); on a
-GPU raise them (e.g. --max_prompt_length 192 --max_length 256 --max_steps 230, one epoch) and drop the eval flags:
+keep the last 64 prompt tokens and cut the run to 20 steps (~5 minutes on 2 cores, held-out accuracy ~0.6, measured
+in float32 from base SmolLM2, not from an HH SFT model: README); on a GPU raise them (e.g. --max_prompt_length 192
+--max_length 256 --max_steps 230, one epoch) and drop the eval flags:
     python sft.py --dataset_name ../shared/data/hh-rlhf/harmless-base-test.jsonl.gz --output_dir runs/hh/sft
     python reward.py --model_name_or_path runs/hh/sft --output_dir runs/hh/reward \
         --dataset_name ../shared/data/hh-rlhf/harmless-base-test.jsonl.gz \
@@ -102,16 +103,17 @@ class Args:
     IMDB sequences whole (a review ending is at most 24 words) and each CPU step short."""
     # --- optimisation ---
     learning_rate: float = 1e-4
-    """AdamW peak learning rate. Measured on the default run: 3e-5 reaches 0.80 held-out accuracy, 1e-4 0.86 and
-    2e-4 no more; a short run needs the larger steps (long runs on big models use ~1e-5)."""
+    """AdamW peak learning rate. Measured on the default run in float32 (an earlier session): 3e-5 reaches 0.80
+    held-out accuracy, 1e-4 0.86 and 2e-4 no more; a short run needs the larger steps (long runs on big models use
+    ~1e-5)."""
     per_device_train_batch_size: int = 8
     """Preference pairs per process per forward pass (2x as many sequences: chosen and rejected share the pass)."""
     gradient_accumulation_steps: int = 1
     """Forward passes accumulated per optimizer step; global batch = this x batch size x processes (in pairs)."""
     max_steps: int = 60
     """Optimizer steps. 60 x 8 = 480 pairs (a fifteenth of an epoch of IMDB's 7,500) reach ~0.86 held-out accuracy
-    in ~2.5 minutes on 2 CPU cores (README; 80 steps: no better). InstructGPT trains its RM for one epoch at most: more
-    overfits."""
+    in ~2.5 minutes on 2 CPU cores (README; 80 steps did no better in an earlier float32 run). InstructGPT trains its
+    RM for one epoch at most: more overfits."""
     warmup_ratio: float = 0.1
     """Fraction of `max_steps` with linear warm-up; the rest decays linearly to 0."""
     weight_decay: float = 0.0
@@ -127,7 +129,8 @@ class Args:
     """Optimizer steps between held-out evaluations (also run at the start and end)."""
     eval_samples: int = 256
     """Held-out pairs used for accuracy, loss and the reward bias (a fixed prefix of the held-out split). 256 give
-    the accuracy to about +-0.03 (IMDB holds each pair twice, after either review's prompt) in ~35 s on 2 cores."""
+    the accuracy to about +-0.03 (IMDB holds each pair twice, after either review's prompt) in ~35 s on 2 cores
+    (float32, an earlier session)."""
     num_table_examples: int = 4
     """Held-out pairs written to tensorboard, with their scores, at each evaluation."""
     seed: int = 1
@@ -144,8 +147,8 @@ class Args:
     mixed_precision: str = "auto"
     """`bf16`, `fp16` or `no` (float32) for the model's matrix products (accelerate's autocast); weights, optimizer
     state, scores and the loss stay float32 (under DeepSpeed and FSDP bf16 is the engine's own: README). `auto`:
-    `accelerate launch`'s --mixed_precision or config file if set, else bf16 where the hardware multiplies in bf16
-    natively (CUDA, AVX512-BF16/AMX CPUs), else `no`; logged."""
+    `accelerate launch`'s setting (its --mixed_precision or config file; `no` with neither), else (plain `python`)
+    bf16 where the hardware multiplies in bf16 natively (CUDA, AVX512-BF16/AMX CPUs), else `no`; logged."""
     dist_timeout_s: int = 900
     """Seconds a process waits in a collective before giving up, so one failed process cannot hang the others."""
     log_dir: str = "runs/tensorboard"

@@ -24,10 +24,12 @@ Run it:
     python sft.py --dataset_name ../shared/data/hh-rlhf/harmless-base-test.jsonl.gz --output_dir runs/hh/sft
 
 Follows: Ouyang et al. 2022 "Training language models to follow instructions with human feedback" (InstructGPT),
-section 3.5 (SFT); Huang et al. 2024 "The N+ Implementation Details of RLHF with PPO: A Case Study on TL;DR
+section 3.5 (SFT; they train 16 epochs with a cosine decay and residual dropout 0.2, here 80 steps, a linear decay
+after warm-up, dropout off); Huang et al. 2024 "The N+ Implementation Details of RLHF with PPO: A Case Study on TL;DR
 Summarization" (an EOS appended to every completion, and learnt). Their code, vwxyzjn/summarize_from_feedback_details,
-pads with a separate [PAD] token and puts the loss on the query tokens too; here the loss is on completion tokens
-only, and padding is told by length because SmolLM2 pads with its EOS.
+pads with a separate [PAD] token, puts the loss on the query tokens too and decays the learning rate by a cosine
+without warm-up (dropout off, as here); here the loss is on completion tokens only, and padding is told by length
+because SmolLM2 pads with its EOS.
 """
 
 import atexit
@@ -124,8 +126,8 @@ class Args:
     mixed_precision: str = "auto"
     """`bf16`, `fp16` or `no` (float32) for the model's matrix products (accelerate's autocast); weights, optimizer
     state and the loss stay float32 (under DeepSpeed and FSDP bf16 is the engine's own: README). `auto`: `accelerate
-    launch`'s --mixed_precision or config file if set, else bf16 where the hardware multiplies in bf16 natively (CUDA,
-    AVX512-BF16/AMX CPUs), else `no`; logged."""
+    launch`'s setting (its --mixed_precision or config file; `no` with neither), else (plain `python`) bf16 where
+    the hardware multiplies in bf16 natively (CUDA, AVX512-BF16/AMX CPUs), else `no`; logged."""
     dist_timeout_s: int = 900
     """Seconds a process waits in a collective before giving up, so one failed process cannot hang the others."""
     log_dir: str = "runs/tensorboard"
