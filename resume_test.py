@@ -256,7 +256,7 @@ def test_ppo_update_is_world_size_invariant(minibatches, layouts, tiny_model_dir
         launch(processes, [str(script), HERE, tiny_model_dir, tiny_rm_dir, str(out), str(accumulation),
                            str(minibatches)])
         results.append((torch.load(str(out) + ".pt"), json.loads(open(str(out) + ".json").read())))
-    (weights_a, metrics_a), changed = results[0], False
+    weights_a, metrics_a = results[0]
     for weights_b, metrics_b in results[1:]:
         for key in weights_a:
             torch.testing.assert_close(weights_a[key], weights_b[key], atol=1e-5, rtol=0, msg=f"{key} differs")

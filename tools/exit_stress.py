@@ -147,7 +147,7 @@ def main():
                 print(f"[{round_ + 1}/{per_config}] {config}: {mark} ({time.monotonic() - t:.0f} s)", flush=True)
     total = sum(len(r) for r in results.values())
     failed = sum(1 for r in results.values() for launch_ in r if launch_["exit"] != 0)
-    print(f"\n| config | launches | non-zero exits | last line of a failed launch |\n|---|---|---|---|")
+    print("\n| config | launches | non-zero exits | last line of a failed launch |\n|---|---|---|---|")
     for config, runs in results.items():
         bad = [r for r in runs if r["exit"] != 0]
         print(f"| {config} | {len(runs)} | {len(bad)} | {bad[0]['last'] if bad else ''} |")
