@@ -551,3 +551,17 @@ def test_exit_process_survives_a_gloo_thread_that_needs_the_gil_at_shutdown(tmp_
             assert "terminate called without an active exception" in proc.stdout
         else:
             assert proc.returncode == 0, proc.stdout[-2000:]
+
+
+def test_exit_stress_short_run(tmp_path):
+    """CI's short version of tools/exit_stress.py (README, "Reliability"): one launch each of a DDP, a ZeRO-3 and an
+    FSDP config, 2 processes each; every launch must exit 0 having saved its model, and the tool says so."""
+    report = tmp_path / "stress.json"
+    configs = ["reward-ddp", "ppo_multinode-zero3", "sft-fsdp"]
+    proc = subprocess.run([sys.executable, "tools/exit_stress.py", "--configs", *configs, "--per_config", "1",
+                           "--json", str(report)], cwd=HERE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                          text=True, timeout=TIMEOUT)
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    results = json.loads(report.read_text())
+    assert list(results) == configs and all(r == [{**r[0], "exit": 0}] for r in results.values()), results
+    assert "| all | 3 | 0 |" in proc.stdout
