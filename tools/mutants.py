@@ -341,7 +341,8 @@ def main():
     parser.add_argument("--list", action="store_true", help="list the mutants, check they apply, run nothing")
     parser.add_argument("--no_baseline", action="store_true", help="skip the run of the unmutated tests")
     parser.add_argument("--timeout", type=float, default=1200, help="seconds per test run (default 1200)")
-    parser.add_argument("--json", help="also write the results to this file")
+    parser.add_argument("--json", help="also write the results to this file (with each test run's last output, to "
+                        "see why a mutant was caught)")
     parser.add_argument("--keep", action="store_true", help="keep the scratch folder (its path is printed)")
     args = parser.parse_args()
 
@@ -389,7 +390,7 @@ def main():
                 result, seconds, tail = judge(mutant, copy, scratch, args.timeout)
             rows.append((mutant, result, seconds))
             results.append({"name": mutant.name, "file": mutant.file, "bug": mutant.bug, "test": mutant.test,
-                            "result": result, "seconds": round(seconds, 1)})
+                            "result": result, "seconds": round(seconds, 1), "output_tail": tail[-2000:]})
             print(f"{mutant.name}: {result} ({seconds:.0f} s)", flush=True)
             if result not in ("caught", "caught (timed out)"):
                 print(tail, flush=True)
