@@ -3,8 +3,9 @@
     python -m pytest resume_test.py
 
 - a run SIGKILLed after a checkpoint and resumed with `--resume_from latest` ends with the same parameters and logs
-  the same metrics as a run never stopped (sft.py, reward.py, ppo.py);
-- a kill during a checkpoint write leaves the previous checkpoint usable;
+  the same metrics as a run never stopped (sft.py, reward.py, ppo.py), and provably resumed: it started at the
+  checkpoint, and its last checkpoint holds the uninterrupted run's optimizer, scheduler and random states;
+- a kill during a checkpoint write leaves the previous checkpoint usable, and no incomplete `checkpoint-<n>`;
 - 1 process with gradient accumulation 2 takes the same step as 2 processes (gloo) with accumulation 1;
 - bad input stops before any work with one `error: ...` line, a non-zero exit, and no output folder.
 """
