@@ -558,7 +558,7 @@ def batch_metrics(accelerator, stats, kl_coef, scores, kl, logprobs, values, ret
     # cleanrl's explained variance of the rollout values, over real tokens: 1 if exact, 0 if always the mean return.
     var_returns, var_errors = (global_masked_stats(accelerator, x, mask)[1] for x in (returns, returns - values))
     metrics["ppo/val/explained_variance"] = 1 - var_errors / var_returns
-    return {k: v.item() for k, v in metrics.items()}, last_stats
+    return dict(zip(metrics, torch.stack([v.to(mask.device) for v in metrics.values()]).tolist())), last_stats
 
 
 def main(args: Args):
