@@ -450,14 +450,15 @@ def ppo_losses(new_logprobs, logprobs, advantages, new_values, values, returns, 
     (0-dim; default `mask.sum()`, the token mean); `stats` maps names to `(sum, count)` pairs of 0-dim tensors, reduced
     over microbatches and processes before dividing. The value loss is the larger squared error, x 0.5. A clip fraction
     is the share of real tokens whose clipped term is the larger (no gradient), as in lm-human-preferences and SFFD:
-    advantage -1 at ratio 1.5 is not counted (cleanrl counts every ratio outside the range)."""
+    advantage -1 at ratio 1.5 is not counted (cleanrl counts every ratio outside the range). New values are clamped
+    to the range, not moved by a clamped step from `values` as there: inside it, that sum can be 1 ulp off, counted."""
     count = mask.sum()
     n_tokens = count if n_tokens is None else n_tokens
     log_ratio = (new_logprobs - logprobs) * mask
     ratio = log_ratio.exp()
     pg_losses, pg_losses_clipped = -advantages * ratio, -advantages * ratio.clamp(1 - cliprange, 1 + cliprange)
     pg_sum = (torch.max(pg_losses, pg_losses_clipped) * mask).sum()
-    clipped_values = values + (new_values - values).clamp(-cliprange_value, cliprange_value)
+    clipped_values = torch.clamp(new_values, values - cliprange_value, values + cliprange_value)
     vf_losses, vf_losses_clipped = (new_values - returns).square(), (clipped_values - returns).square()
     vf_sum = 0.5 * (torch.max(vf_losses, vf_losses_clipped) * mask).sum()
     with torch.no_grad():
@@ -472,8 +473,7 @@ def ppo_losses(new_logprobs, logprobs, advantages, new_values, values, returns, 
     return pg_sum / n_tokens, vf_sum / n_tokens, stats
 
 
-def batch_metrics(accelerator, stats, kl_coef, scores, kl, logprobs, values, returns, advantages, mask,
-                  contains_stop):
+def batch_metrics(accelerator, stats, kl_coef, scores, kl, logprobs, values, returns, advantages, mask, contains_stop):
     """Step (7)'s metrics, sums and counts over all samples of all processes, then divided. Takes the update's tensors,
     (B,) or (B, T) float32, and `ppo_epochs`'s `stats`. Returns `(metrics, last_stats)`: a dict of floats (one host
     sync) and the statistics reduced over processes, (E, M, U, 2) CPU tensors by name. In nats, of the distributions at
@@ -500,7 +500,7 @@ def batch_metrics(accelerator, stats, kl_coef, scores, kl, logprobs, values, ret
     # cleanrl's explained variance of the rollout values, over real tokens: 1 if exact, 0 if always the mean return.
     var_returns, var_errors = (global_masked_stats(accelerator, x, mask)[1] for x in (returns, returns - values))
     metrics["ppo/val/explained_variance"] = 1 - var_errors / var_returns
-    return {k: v.item() for k, v in metrics.items()}, last_stats
+    return dict(zip(metrics, torch.stack([v.to(mask.device) for v in metrics.values()]).tolist())), last_stats
 
 
 def main(args: Args):

@@ -368,6 +368,18 @@ def test_clip_fractions_count_the_tokens_the_clip_takes_the_gradient_from():
     assert (new_values.grad[0, :4] == 0).tolist() == [True, False, False, False]
 
 
+def test_a_value_inside_the_clip_range_is_never_counted_as_clipped():
+    """Inside the range the clipped value must be the new value bit for bit. `values + (new - values).clamp(-c, c)`
+    is the same maths but not the same float32 number when the two values have opposite signs: for this token
+    (found in a 2-process update, where it made val/clipfrac differ between process layouts) the sum is one ulp
+    off, its squared error a hair larger, and the strict comparison counted a token the clip never touched."""
+    old, new, ret = torch.tensor([[0.050289486]]), torch.tensor([[-0.079410769]]), torch.tensor([[0.39649057]])
+    assert (old + (new - old).clamp(-0.2, 0.2) != new).all()  # the float32 pitfall this test guards against
+    zeros, ones = torch.zeros(1, 1), torch.ones(1, 1)
+    _, _, stats = ppo.ppo_losses(zeros, zeros, zeros, new, old, ret, ones, cliprange=0.2, cliprange_value=0.2)
+    assert [total.item() for total in stats["val/clipfrac"]] == [0.0, 1.0]
+
+
 def metrics_of_an_update(values, returns, mask, logprobs=None, kl=None, stats=None):
     """`ppo.batch_metrics` on hand-made tensors, one process; what is not given is zero."""
     B, T = returns.shape
