@@ -21,7 +21,8 @@ import time
 
 import pytest
 
-from resume_test import HERE, TIMEOUT, assert_same_weights, run, scalars, stage_command, tiny_rm_dir  # noqa: F401
+from resume_test import (HERE, TIMEOUT, assert_resumed_at, assert_same_checkpoint_state, assert_same_weights, run,
+                         scalars, stage_command, tiny_rm_dir)  # noqa: F401  (tiny_rm_dir: a pytest fixture)
 from utils_test import tiny_model_dir  # noqa: F401  (pytest fixture)
 
 ACCELERATE = [sys.executable, "-m", "accelerate.commands.launch", "--num_machines", "1", "--mixed_precision", "no",
@@ -212,24 +213,28 @@ def test_full_disk_keeps_earlier_checkpoints_and_output(tiny_model_dir, tmp_path
 # ---------------------------------------------------------------------------------------------------------------
 # pre-emption: SIGTERM / SIGINT -> checkpoint at the next boundary, exit 75, resume equals an uninterrupted run
 # ---------------------------------------------------------------------------------------------------------------
-def signal_when(cmd, ready_text, signum, env=None):
-    """Start `cmd`, send `signum` to it once its output contains `ready_text`; returns (exit code, output)."""
+def signal_when(cmd, ready_text, signum, env=None, target=None):
+    """Start `cmd`, send `signum` once its output contains `ready_text`: to the started process, or to the process
+    `target(pid of the started process)` returns (a psutil.Process). Returns (exit code, output)."""
     proc = subprocess.Popen(cmd, cwd=HERE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env={**os.environ, **(env or {})})
-    output, sent = [], threading.Event()
+    output, sent, problems = [], threading.Event(), []
 
     def read():
         for line in proc.stdout:
             output.append(line)
             if ready_text in line and not sent.is_set():
                 sent.set()
-                proc.send_signal(signum)
+                try:
+                    (target(proc.pid) if target else proc).send_signal(signum)
+                except Exception as error:  # keep reading: a full pipe would stall the run
+                    problems.append(repr(error))
 
     reader = threading.Thread(target=read)
     reader.start()
     code = proc.wait(timeout=TIMEOUT)
     reader.join(timeout=60)
-    assert sent.is_set(), "".join(output)[-3000:]
+    assert sent.is_set() and not problems, (problems, "".join(output)[-3000:])
     return code, "".join(output)
 
 
@@ -237,9 +242,14 @@ def signal_when(cmd, ready_text, signum, env=None):
                                            ("reward", signal.SIGINT)])
 def test_signal_checkpoints_and_resume_equals_uninterrupted(stage, signum, tiny_model_dir, tiny_rm_dir,  # noqa: F811
                                                             tmp_path):
+    """Signalled during its first step (update), a 6-step run finishes that step, writes checkpoint-1, says so in one
+    line and exits 75; run again with `--resume_from auto`, it starts at step 2 (`assert_resumed_at`: a rerun from
+    scratch would also end where the uninterrupted run ends) and ends with the uninterrupted run's weights, metrics
+    and step-6 training state (optimizer, scheduler, random states)."""
     straight, stopped = str(tmp_path / "straight"), str(tmp_path / "stopped")
     # `--resume_from auto` with no checkpoint starts fresh: a requeue script can always pass it.
-    run(stage_command(stage, tiny_model_dir, tiny_rm_dir, straight, "straight", ["--resume_from", "auto"]))
+    run(stage_command(stage, tiny_model_dir, tiny_rm_dir, straight, "straight", ["--resume_from", "auto",
+                                                                               "--save_every", "6"]))
     ready = "update 0: held-out score" if stage == "ppo" else "step 0: eval"
     code, output = signal_when(stage_command(stage, tiny_model_dir, tiny_rm_dir, stopped, "stopped"), ready, signum)
     assert code == 75, output[-3000:]
@@ -247,9 +257,12 @@ def test_signal_checkpoints_and_resume_equals_uninterrupted(stage, signum, tiny_
     assert f"stopped by {signal.Signals(signum).name} after {unit} 1: checkpoint" in output, output[-2000:]
     assert "--resume_from auto" in output and "Traceback" not in output
     assert not os.path.exists(stopped) and os.path.isdir(stopped + "-checkpoints/checkpoint-1")
-    run(stage_command(stage, tiny_model_dir, tiny_rm_dir, stopped, "resumed", ["--resume_from", "auto"]))
-    assert_same_weights(straight, stopped, atol=1e-6)
+    proc = run(stage_command(stage, tiny_model_dir, tiny_rm_dir, stopped, "resumed", ["--resume_from", "auto",
+                                                                                     "--save_every", "6"]))
     log_dir = str(tmp_path / "tb")
+    assert_resumed_at(proc.stdout, log_dir, "resumed", stopped + "-checkpoints/checkpoint-1")
+    assert_same_checkpoint_state(straight + "-checkpoints/checkpoint-6", stopped + "-checkpoints/checkpoint-6")
+    assert_same_weights(straight, stopped, atol=1e-6)
     want, got = scalars(log_dir, "straight", {2, 3, 4, 5, 6}), scalars(log_dir, "resumed", {2, 3, 4, 5, 6})
     compared = 0
     for tag, values in got.items():
@@ -259,25 +272,88 @@ def test_signal_checkpoints_and_resume_equals_uninterrupted(stage, signum, tiny_
     assert compared >= 5
 
 
-def test_sigterm_to_accelerate_launch_with_two_processes(tiny_model_dir, tmp_path):  # noqa: F811
-    """The launcher passes SIGTERM on to both processes; they agree to stop at the same boundary, the checkpoint
-    holds both processes' random states, and the resumed run equals an uninterrupted one."""
-    straight, stopped = str(tmp_path / "straight"), str(tmp_path / "stopped")
-    launch = ACCELERATE + ["--multi_gpu", "--num_processes", "2", "--main_process_port",
-                           "0"]
-    env = {"ACCELERATE_USE_CPU": "true"}
-    cmd = stage_command("sft", tiny_model_dir, None, straight, "straight")[1:]
-    cmd[cmd.index("--per_device_train_batch_size") + 1] = "2"
-    run(launch + cmd, env=env)
-    cmd = stage_command("sft", tiny_model_dir, None, stopped, "stopped")[1:]
-    cmd[cmd.index("--per_device_train_batch_size") + 1] = "2"
-    code, output = signal_when(launch + cmd, "step 0: eval", signal.SIGTERM, env=env)
-    assert "stopped by SIGTERM after step 1" in output, output[-3000:]
-    assert code != 0  # the launcher's own status (1, after its SignalException): the processes' 75 is not passed on
+# A driver that records how each process ends and then runs sft.py as its command line does.
+EXIT_RECORDER = r'''"""Test-only driver (written by fault_test.py): runs sft.py's command line as its `__main__` does
+(`run_as_command`), and writes the exit status each process ends with to $EXIT_REPORT_DIR/rank<RANK>.txt
+(`exit_process` wrapped)."""
+import os, sys
+sys.path.insert(0, os.getcwd())
+import tyro
+import sft
+original_exit_process = sft.exit_process
+
+
+def exit_process(status):
+    with open(os.path.join(os.environ["EXIT_REPORT_DIR"], f"rank{os.environ['RANK']}.txt"), "w") as f:
+        f.write(str(status))
+    original_exit_process(status)
+
+
+sft.exit_process = exit_process
+sys.argv = ["sft.py", *sys.argv[1:]]
+sft.run_as_command(sft.main, tyro.cli(sft.Args))
+'''
+
+
+def worker(launcher_pid, rank):
+    """The process of global rank `rank` among a launcher's workers (children that run the EXIT_RECORDER driver)."""
+    import psutil
+
+    workers = [p for p in psutil.Process(launcher_pid).children(recursive=True)
+               if "exit_recorder.py" in " ".join(p.cmdline()) and p.environ().get("RANK") == str(rank)]
+    assert len(workers) == 1, workers
+    return workers[0]
+
+
+def sigterm_two_processes_and_resume(model_dir, tmp_path, signal_rank):
+    """A 6-step sft.py run on 2 processes (`accelerate launch`, gloo), sent SIGTERM during step 1: to the launcher
+    (`signal_rank` None), which passes it on to both processes, or to the process of rank `signal_rank` alone. Checks
+    that both processes stop after step 1 with exit status 75 (EXIT_RECORDER), that the checkpoint holds both
+    processes' random states, and that the run resumed with `--resume_from auto` starts at step 2 and ends as the
+    uninterrupted run (weights, metrics, the step-6 training state). Returns the stopped run's output."""
+    straight, stopped, log_dir = str(tmp_path / "straight"), str(tmp_path / "stopped"), str(tmp_path / "tb")
+    driver, report = tmp_path / "exit_recorder.py", tmp_path / "exits"
+    driver.write_text(EXIT_RECORDER)
+    report.mkdir()
+    launch = ACCELERATE + ["--multi_gpu", "--num_processes", "2", "--main_process_port", "0", str(driver)]
+    env = {"ACCELERATE_USE_CPU": "true", "EXIT_REPORT_DIR": str(report)}
+
+    def command(out, run_name, extra):
+        cmd = stage_command("sft", model_dir, None, out, run_name, extra)[2:]  # the driver starts sft.py
+        cmd[cmd.index("--per_device_train_batch_size") + 1] = "2"
+        return launch + cmd
+
+    run(command(straight, "straight", ["--save_every", "6"]), env=env)
+    # --dist_timeout_s 60: processes that did not agree to stop would fail in a minute, not wait 15.
+    target = None if signal_rank is None else lambda pid: worker(pid, signal_rank)
+    code, output = signal_when(command(stopped, "stopped", ["--dist_timeout_s", "60"]), "step 0: eval",
+                               signal.SIGTERM, env=env, target=target)
+    assert code != 0  # the launcher's own status (1): the processes' 75 is not passed on
+    assert {p.name: p.read_text() for p in report.iterdir()} == {"rank0.txt": "75", "rank1.txt": "75"}, \
+        output[-3000:]
     checkpoint = stopped + "-checkpoints/checkpoint-1"
     assert {"random_states_0.pkl", "random_states_1.pkl"} <= set(os.listdir(checkpoint))
-    run(launch + cmd + ["--resume_from", "auto"], env=env)
+    proc = run(command(stopped, "resumed", ["--resume_from", "auto", "--save_every", "6"]), env=env)
+    assert_resumed_at(proc.stdout, log_dir, "resumed", checkpoint)
+    assert_same_checkpoint_state(straight + "-checkpoints/checkpoint-6", stopped + "-checkpoints/checkpoint-6")
     assert_same_weights(straight, stopped, atol=1e-6)
+    return output
+
+
+def test_sigterm_to_accelerate_launch_with_two_processes(tiny_model_dir, tmp_path):  # noqa: F811
+    """The launcher passes SIGTERM on to both processes; they agree to stop at the same boundary, both exit 75, the
+    checkpoint holds both processes' random states, and the resumed run equals an uninterrupted one."""
+    output = sigterm_two_processes_and_resume(tiny_model_dir, tmp_path, signal_rank=None)
+    assert output.count("stopped by SIGTERM after step 1: checkpoint") == 1, output[-3000:]
+
+
+def test_sigterm_to_one_of_two_processes_stops_both_with_a_checkpoint(tiny_model_dir, tmp_path):  # noqa: F811
+    """SIGTERM to process 1 alone (a signal that only one process gets, not the launcher): the processes still agree
+    to stop after the same step (`stop_requested`, one all-reduce per step), both write their part of the
+    checkpoint and both exit 75; the main process, which got no signal, says where the checkpoint is, in one line.
+    The resumed run equals an uninterrupted one."""
+    output = sigterm_two_processes_and_resume(tiny_model_dir, tmp_path, signal_rank=1)
+    assert output.count("stopped by a signal to another process after step 1: checkpoint") == 1, output[-3000:]
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -112,15 +112,24 @@ class StubTokenizer:
 
 
 def free_port():
+    """A port nothing on loopback holds now. Nothing keeps holding it either: the caller must allow for another process
+    taking it before it is bound again (`run_nodes`, `launch_alone`)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
-def run_together(commands, timeout, check=True):
+# What node 0's launcher prints when its port is taken: accelerate's own check finds something listening there
+# ("another process is utilizing it"), or torch's store fails to bind it (EADDRINUSE).
+PORT_TAKEN = re.compile(r"another process is utilizing it|EADDRINUSE|address already in use", re.IGNORECASE)
+PORT_ATTEMPTS = 3  # ports tried before a test gives up: a clash twice in a row is already unlikely
+
+
+def run_together(commands, timeout, check=True, port_taken=False):
     """Start the commands at once, each in its own process group, and wait for all of them; returns their outputs
     (and, with `check=False`, their exit codes instead of requiring 0). Past `timeout` seconds every group still
-    running is killed and the test fails, showing the outputs so far."""
+    running is killed and the test fails, showing the outputs so far. With `port_taken`, if the first command (node
+    0's launcher) ends saying its port is taken (PORT_TAKEN), every group is killed at once and None is returned."""
     # accelerate 1.x refuses `--cpu` with `--multi_gpu` (and `--cpu` alone starts one process): CPU processes are
     # started by the multi-GPU launcher, and ACCELERATE_USE_CPU makes each of them use the CPU with gloo.
     env = dict(os.environ, ACCELERATE_USE_CPU="true", CUDA_VISIBLE_DEVICES="", HF_HUB_OFFLINE="1",
@@ -129,9 +138,23 @@ def run_together(commands, timeout, check=True):
     logs = [tempfile.TemporaryFile("w+") for _ in commands]  # files, not pipes: a full pipe would stall a process
     procs = [subprocess.Popen(cmd, cwd=HERE, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
              for cmd, log in zip(commands, logs)]
+    def node_0_port_taken():
+        if not port_taken or procs[0].poll() in (None, 0):
+            return False
+        logs[0].seek(0)
+        return PORT_TAKEN.search(logs[0].read()) is not None
+
     deadline = time.monotonic() + timeout
-    while any(proc.poll() is None for proc in procs) and time.monotonic() < deadline:
+    while any(proc.poll() is None for proc in procs) and time.monotonic() < deadline and not node_0_port_taken():
         time.sleep(0.5)
+    if node_0_port_taken():
+        for proc in procs:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+        for log in logs:
+            log.close()
+        return None
     timed_out = [proc for proc in procs if proc.poll() is None]
     for proc in timed_out:
         os.killpg(proc.pid, signal.SIGKILL)
@@ -148,6 +171,18 @@ def run_together(commands, timeout, check=True):
     for proc, output in zip(procs, outputs):
         assert proc.returncode == 0, output[-5000:]
     return outputs
+
+
+def run_nodes(commands_for_port, timeout, check=True):
+    """`run_together(commands_for_port(port))` for "nodes" on loopback that meet at node 0's `port`, one that
+    `free_port` picked. Node 0's launcher must bind it itself, so nothing can hold it meanwhile, and another process
+    may take it first: node 0's launcher then stops at once saying so, and the nodes start again on a new port,
+    PORT_ATTEMPTS times at most."""
+    for _ in range(PORT_ATTEMPTS):
+        result = run_together(commands_for_port(free_port()), timeout, check, port_taken=True)
+        if result is not None:
+            return result
+    pytest.fail(f"node 0's port was taken by another process {PORT_ATTEMPTS} times in a row")
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -216,9 +251,9 @@ def central_worker(out_dir):
 
 
 def test_two_processes_gather_score_once_and_scatter(tmp_path):
-    run_together([ACCELERATE + ["--multi_gpu", "--num_processes", "2", "--main_process_port",
-                                str(free_port()), "--num_cpu_threads_per_process", "1", __file__, "central",
-                                str(tmp_path)]], timeout=120)
+    run_together([ACCELERATE + ["--multi_gpu", "--num_processes", "2", "--main_process_port", "0",  # the OS picks
+                                "--num_cpu_threads_per_process", "1", __file__, "central", str(tmp_path)]],
+                 timeout=120)
     rank0, rank1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
     # each process gets exactly its own rows' scores, in order
     assert rank0["scores"] == [100.0, 101.0] and rank1["scores"] == [200.0, 201.0, 202.0]
@@ -246,11 +281,11 @@ def test_two_nodes_on_loopback(tiny, tmp_path):
     dump.mkdir()
     args = run_args(tiny, tmp_path, reward_batch_size=3)
     script = [f"--{key}={value}" for key, value in args.items()]
-    port = free_port()
-    outputs = run_together([ACCELERATE + ["--multi_gpu", "--num_machines", "2", "--num_processes", "2",
-                                          "--machine_rank", str(rank), "--main_process_ip", "127.0.0.1",
-                                          "--main_process_port", str(port), "--num_cpu_threads_per_process", "1",
-                                          __file__, "record", str(dump), *script] for rank in (0, 1)], timeout=240)
+    outputs = run_nodes(lambda port: [
+        ACCELERATE + ["--multi_gpu", "--num_machines", "2", "--num_processes", "2", "--machine_rank", str(rank),
+                      "--main_process_ip", "127.0.0.1", "--main_process_port", str(port),
+                      "--num_cpu_threads_per_process", "1", __file__, "record", str(dump), *script]
+        for rank in (0, 1)], timeout=240)
     # the reward model is loaded on the main process only
     assert re.search(r"loaded reward model on cpu(:0)? \(process 0\)", outputs[0])
     assert "loaded reward model" not in outputs[1]
@@ -277,15 +312,15 @@ def test_two_nodes_on_loopback(tiny, tmp_path):
 def test_node_local_checkpoint_folders_are_refused(tiny, tmp_path):
     """Each "node" gets its own --checkpoint_dir, as node-local disks would: only node 0's folder would then hold the
     models and optimizer, and no resume could work. Both nodes must stop before any work with the same line."""
-    port = free_port()
-    commands = []
-    for rank in (0, 1):
-        args = run_args(tiny, tmp_path, checkpoint_dir=str(tmp_path / f"node{rank}-local"))
-        commands.append(ACCELERATE + ["--multi_gpu", "--num_machines", "2", "--num_processes", "2", "--machine_rank",
-                                      str(rank), "--main_process_ip", "127.0.0.1", "--main_process_port", str(port),
-                                      "--num_cpu_threads_per_process", "1", "ppo_multinode.py",
-                                      *[f"--{key}={value}" for key, value in args.items()]])
-    outputs, codes = run_together(commands, timeout=240, check=False)
+    def commands(port):
+        return [ACCELERATE + ["--multi_gpu", "--num_machines", "2", "--num_processes", "2", "--machine_rank",
+                              str(rank), "--main_process_ip", "127.0.0.1", "--main_process_port", str(port),
+                              "--num_cpu_threads_per_process", "1", "ppo_multinode.py",
+                              *[f"--{key}={value}" for key, value in run_args(
+                                  tiny, tmp_path, checkpoint_dir=str(tmp_path / f"node{rank}-local")).items()]]
+                for rank in (0, 1)]
+
+    outputs, codes = run_nodes(commands, timeout=240, check=False)
     assert codes[0] != 0 and codes[1] != 0
     lines = [[line for line in output.splitlines() if line.startswith("error: ")] for output in outputs]
     assert lines[0] and lines[0] == lines[1], outputs
@@ -303,8 +338,26 @@ def launch_alone(machine_rank, tmp_path, limit_s):
     """Start one "node" of two on loopback with README's command (configs/multi_node.yaml; ip, port and rank on the
     command line; `--rdzv_conf timeout=RDZV_TIMEOUT_S`; 2 CPU processes in all) and no other node, ever. Returns
     (exit code, seconds from start to exit, output, port). A launcher still running after `limit_s` is stopped and
-    the test fails: without the timeout it would wait torch's default 900 s (node 0; measured 908 s)."""
-    port = free_port()
+    the test fails: without the timeout it would wait torch's default 900 s (node 0; measured 908 s).
+
+    The port: node 1 must find nothing listening there, so this process holds it bound (not listening) while node 1
+    runs, and no other process can listen on it. Node 0 must bind it itself, so nothing holds it meanwhile: if
+    another process takes it first, node 0's launcher stops at once saying so (PORT_TAKEN), and node 0 starts again on
+    a new port, PORT_ATTEMPTS times at most."""
+    for _ in range(PORT_ATTEMPTS):
+        with socket.socket() as holder:
+            holder.bind(("127.0.0.1", 0))
+            port = holder.getsockname()[1]
+            if machine_rank == 0:
+                holder.close()
+            code, elapsed, output = launch_alone_on(port, machine_rank, tmp_path, limit_s)
+        if not (machine_rank == 0 and code != 0 and PORT_TAKEN.search(output)):
+            return code, elapsed, output, port
+    pytest.fail(f"node 0's port was taken by another process {PORT_ATTEMPTS} times in a row")
+
+
+def launch_alone_on(port, machine_rank, tmp_path, limit_s):
+    """`launch_alone`'s one launch, on `port`: (exit code, seconds from start to exit, output)."""
     cmd = ACCELERATE + ["--config_file", "configs/multi_node.yaml", "--num_processes", "2", "--mixed_precision", "no",
                         "--machine_rank", str(machine_rank), "--main_process_ip", "127.0.0.1", "--main_process_port",
                         str(port), "--num_cpu_threads_per_process", "1", "--rdzv_conf", f"timeout={RDZV_TIMEOUT_S}",
@@ -331,7 +384,7 @@ def launch_alone(machine_rank, tmp_path, limit_s):
         output = log.read()
     if timed_out:
         pytest.fail(f"node {machine_rank} alone still waited after {limit_s} s:\n{output[-3000:]}")
-    return proc.returncode, elapsed, output, port
+    return proc.returncode, elapsed, output
 
 
 def test_main_node_alone_stops_after_the_rendezvous_timeout(tmp_path):
@@ -555,8 +608,9 @@ def fsdp_worker(out_dir):
 
 
 def test_fsdp_generation_in_step_on_cpu(tmp_path):
-    run_together([[sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-                   str(free_port()), __file__, "fsdp", str(tmp_path)]], timeout=120)
+    # --standalone: the launcher's rendezvous store binds a port the OS picks (localhost:0)
+    run_together([[sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", __file__,
+                   "fsdp", str(tmp_path)]], timeout=120)
     rank0, rank1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
     assert rank0["shapes"] == [[[3, 6], [3, 6]]] * 2 and rank1["shapes"] == [[[3, 10], [3, 10]]] * 2
     assert rank0["local_size"] < rank0["full_size"]  # the weights really are sharded
@@ -592,7 +646,8 @@ def test_ppo_py_on_two_processes(tiny, tmp_path):
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
     args = run_args(tiny, tmp_path, save_every=2)
-    outputs = run_together([ACCELERATE + ["--multi_gpu", "--num_processes", "2", "--num_cpu_threads_per_process", "1",
+    outputs = run_together([ACCELERATE + ["--multi_gpu", "--num_processes", "2", "--main_process_port", "0",
+                                          "--num_cpu_threads_per_process", "1",
                                           "ppo.py", *[f"--{key}={value}" for key, value in args.items()]]],
                            timeout=240)
     assert "update 2: held-out score" in outputs[0]

@@ -3,8 +3,9 @@
     python -m pytest resume_test.py
 
 - a run SIGKILLed after a checkpoint and resumed with `--resume_from latest` ends with the same parameters and logs
-  the same metrics as a run never stopped (sft.py, reward.py, ppo.py);
-- a kill during a checkpoint write leaves the previous checkpoint usable;
+  the same metrics as a run never stopped (sft.py, reward.py, ppo.py), and provably resumed: it started at the
+  checkpoint, and its last checkpoint holds the uninterrupted run's optimizer, scheduler and random states;
+- a kill during a checkpoint write leaves the previous checkpoint usable, and no incomplete `checkpoint-<n>`;
 - 1 process with gradient accumulation 2 takes the same step as 2 processes (gloo) with accumulation 1;
 - bad input stops before any work with one `error: ...` line, a non-zero exit, and no output folder.
 """
@@ -66,6 +67,63 @@ def assert_same_weights(dir_a, dir_b, atol):
         torch.testing.assert_close(a[key], b[key], atol=atol, rtol=0, msg=f"{key} differs")
 
 
+def logged_steps(log_dir, run_name):
+    """The steps (updates) at which a tensorboard run logged any scalar, sorted."""
+    return sorted({step for values in scalars(log_dir, run_name, range(10**6)).values() for step in values})
+
+
+def assert_resumed_at(output, log_dir, run_name, checkpoint):
+    """A run resumed from `checkpoint` (a `checkpoint-<n>` folder): it said so, and the first step (update) it logged
+    is n + 1. A run that started afresh instead (a `--resume_from` that found nothing, say) logs from step 0 or 1:
+    ending where the uninterrupted run ends proves nothing then, since a fresh deterministic run ends there too."""
+    assert f"resumed from {checkpoint}" in output, output[-3000:]
+    n = int(os.path.basename(checkpoint).split("-")[1])
+    steps = logged_steps(log_dir, run_name)
+    assert steps and steps[0] == n + 1, f"{run_name} logged steps {steps}, resumed from {checkpoint}"
+
+
+def assert_same_checkpoint_state(checkpoint_a, checkpoint_b, atol=1e-6):
+    """Two checkpoints of the same step hold the same training state: `trainer_state.json` (step, the watched loss,
+    PPO's KL coefficient, the config; floats within `atol`), the optimizer (AdamW's step count exactly, its moments
+    within 1e-5 relative, at every scale: measured bit-equal), the LR scheduler and accelerate's step counter exactly,
+    and every process's random states (python, numpy, torch) exactly. The resumed run's last checkpoint against the
+    uninterrupted run's: an optimizer or scheduler that was not restored has counted fewer steps, and a generator
+    that was not restored is in another state wherever the run draws from it (PPO's sampling; SFT and RM training
+    draw nothing)."""
+    def load(checkpoint, name):
+        return torch.load(os.path.join(checkpoint, name), weights_only=False)
+
+    def same(x, y, where):
+        if isinstance(x, dict):
+            assert isinstance(y, dict) and x.keys() == y.keys(), where
+            for key in x:
+                same(x[key], y[key], f"{where}.{key}")
+        elif isinstance(x, float):
+            assert y == pytest.approx(x, abs=atol, rel=atol), where
+        else:
+            assert x == y, where
+
+    same(*(json.load(open(os.path.join(c, "trainer_state.json"))) for c in (checkpoint_a, checkpoint_b)),
+         "trainer_state")
+    a, b = load(checkpoint_a, "optimizer.bin"), load(checkpoint_b, "optimizer.bin")
+    assert a["state"].keys() == b["state"].keys() and a["state"]
+    for index, state in a["state"].items():
+        assert state["step"] == b["state"][index]["step"], (index, state["step"], b["state"][index]["step"])
+        for moment in ("exp_avg", "exp_avg_sq"):
+            torch.testing.assert_close(state[moment], b["state"][index][moment], atol=0, rtol=1e-5,
+                                       msg=f"optimizer {moment} of parameter {index} differs")
+    assert load(checkpoint_a, "custom_checkpoint_0.pkl") == load(checkpoint_b, "custom_checkpoint_0.pkl")  # scheduler
+    names = sorted(n for n in os.listdir(checkpoint_a) if n.startswith("random_states_"))
+    assert names and names == sorted(n for n in os.listdir(checkpoint_b) if n.startswith("random_states_"))
+    for name in names:
+        x, y = load(checkpoint_a, name), load(checkpoint_b, name)
+        assert x.keys() == y.keys() and x["step"] == y["step"], name
+        assert x["random_state"] == y["random_state"], f"{name}: python's random state differs"
+        assert all((u == v).all() if hasattr(u, "shape") else u == v
+                   for u, v in zip(x["numpy_random_seed"], y["numpy_random_seed"])), f"{name}: numpy's differs"
+        assert torch.equal(x["torch_manual_seed"], y["torch_manual_seed"]), f"{name}: torch's random state differs"
+
+
 @pytest.fixture(scope="module")
 def tiny_rm_dir(tiny_model_dir, tmp_path_factory):  # noqa: F811
     """The tiny model with a (random) scalar head: a reward model for ppo.py."""
@@ -92,21 +150,27 @@ def stage_command(stage, model_dir, rm_dir, out, run_name, extra=()):
 
 @pytest.mark.parametrize("stage, precision", [("sft", "no"), ("reward", "no"), ("ppo", "no"), ("ppo", "bf16")])
 def test_kill_and_resume_equals_uninterrupted(stage, precision, tiny_model_dir, tiny_rm_dir, tmp_path):  # noqa: F811
+    """SIGKILLed after its step-3 checkpoint and resumed with `--resume_from latest`, a 6-step run ends as the
+    uninterrupted one: the same weights, the same metrics at steps 4-6, and the same training state in the step-6
+    checkpoints (optimizer, scheduler, random states: `assert_same_checkpoint_state`). And the resumed run did start
+    at step 4 (`assert_resumed_at`): a rerun from step 0 would end in the same place."""
     straight, killed = str(tmp_path / "straight"), str(tmp_path / "killed")
     flags = ["--mixed_precision", precision]
-    run(stage_command(stage, tiny_model_dir, tiny_rm_dir, straight, "straight", flags))
+    run(stage_command(stage, tiny_model_dir, tiny_rm_dir, straight, "straight", ["--save_every", "3", *flags]))
     checkpoints = killed + "-checkpoints"
     command = stage_command(stage, tiny_model_dir, tiny_rm_dir, killed, "killed", ["--save_every", "3", *flags])
     code = kill_when(command,
                      lambda: os.path.isdir(os.path.join(checkpoints, "checkpoint-3")))
     assert code == -signal.SIGKILL, "the run ended before it could be killed"
     assert not os.path.exists(killed)  # no final output from a killed run
-    run(stage_command(stage, tiny_model_dir, tiny_rm_dir, killed, "resumed",
-                      ["--save_every", "3", "--resume_from", "latest", *flags]))
+    proc = run(stage_command(stage, tiny_model_dir, tiny_rm_dir, killed, "resumed",
+                             ["--save_every", "3", "--resume_from", "latest", *flags]))
+    log_dir = str(tmp_path / "tb")
+    assert_resumed_at(proc.stdout, log_dir, "resumed", os.path.join(checkpoints, "checkpoint-3"))
+    assert_same_checkpoint_state(straight + "-checkpoints/checkpoint-6", checkpoints + "/checkpoint-6")
     assert_same_weights(straight, killed, atol=1e-6)
     if stage == "ppo":
         assert_same_weights(os.path.join(straight, "value_model"), os.path.join(killed, "value_model"), atol=1e-6)
-    log_dir = str(tmp_path / "tb")
     want, got = scalars(log_dir, "straight", {4, 5, 6}), scalars(log_dir, "resumed", {4, 5, 6})
     compared = 0
     for tag, values in got.items():
@@ -134,21 +198,29 @@ def test_bf16_at_learning_rate_0_the_ratio_is_exactly_1(script, tiny_model_dir, 
 
 
 def test_kill_during_checkpoint_write_keeps_the_previous_one(tiny_model_dir, tiny_rm_dir, tmp_path):  # noqa: F811
+    """SIGKILLed while a checkpoint is being written (a checkpoint folder without its `trainer_state.json`, which is
+    written last, whatever its name), the run leaves only complete `checkpoint-<n>` folders: the one being written
+    is a `.tmp` until it is complete. Resumed with `--resume_from latest`, it starts after the newest complete one
+    and ends as the uninterrupted run."""
     straight, killed = str(tmp_path / "straight"), str(tmp_path / "killed")
     checkpoints = killed + "-checkpoints"
     run(stage_command("sft", tiny_model_dir, tiny_rm_dir, straight, "straight"))
 
     def writing_second():  # checkpoint-1 is complete and a later one is being written
-        return (os.path.isdir(os.path.join(checkpoints, "checkpoint-1"))
-                and glob.glob(os.path.join(checkpoints, "*.tmp")))
+        folders = glob.glob(os.path.join(checkpoints, "checkpoint-*"))
+        return (os.path.isfile(os.path.join(checkpoints, "checkpoint-1", "trainer_state.json"))
+                and any(not os.path.isfile(os.path.join(f, "trainer_state.json")) for f in folders))
 
     code = kill_when(stage_command("sft", tiny_model_dir, tiny_rm_dir, killed, "killed", ["--save_every", "1"]),
                      writing_second)
-    assert code == -signal.SIGKILL
-    complete = [p for p in glob.glob(os.path.join(checkpoints, "checkpoint-*")) if not p.endswith(".tmp")]
-    assert complete  # the earlier checkpoint survived the kill
-    run(stage_command("sft", tiny_model_dir, tiny_rm_dir, killed, "resumed",
-                      ["--save_every", "1", "--resume_from", "latest"]))
+    assert code == -signal.SIGKILL, "the run ended before it could be killed during a checkpoint write"
+    folders = glob.glob(os.path.join(checkpoints, "checkpoint-*"))
+    complete = [f for f in folders if not f.endswith(".tmp")]
+    assert complete and all(os.path.isfile(os.path.join(f, "trainer_state.json")) for f in complete), folders
+    latest = max(complete, key=lambda f: int(f.rsplit("-", 1)[1]))
+    proc = run(stage_command("sft", tiny_model_dir, tiny_rm_dir, killed, "resumed",
+                             ["--save_every", "1", "--resume_from", "latest"]))
+    assert_resumed_at(proc.stdout, str(tmp_path / "tb"), "resumed", latest)
     assert_same_weights(straight, killed, atol=1e-6)
 
 

@@ -6,11 +6,15 @@ Most tests run a script twice on 2 CPU processes with a tiny random model: once 
 once under a DeepSpeed or FSDP config from `configs/`, with the same flags. The two runs must log the same
 tensorboard scalars and save the same weights (DeepSpeed within 1e-5: ZeRO steps the optimizer on flattened fp32
 partitions and reduces gradients in other buckets, so sums are rounded in another order; FSDP within 1e-6), and the
-sharded output must load with `from_pretrained`. DeepSpeed runs on its CPU accelerator, which joins the processes with
-gloo by itself: the DeepSpeed launches must not set ACCELERATE_USE_CPU (accelerate would quietly fall back to DDP with
-it). The first DeepSpeed run on a machine compiles one small C++ op (about 30 s). accelerate 1.15 does not set up FSDP
-without a GPU: the FSDP runs go through a driver script written by the test (FSDP_ON_CPU) that adapts accelerate's
-device checks in the test's processes only, and checks that the model really is sharded.
+sharded output must load with `from_pretrained`. The runs train hard enough that the weights move at least 100 times
+that tolerance, with a --max_grad_norm that clips every step (HARD; both checked on the DDP run, `launch_ddp`): an
+engine that skipped the clip, or stepped a little differently, could not hide inside the tolerance. The resumed runs
+must show that they started at the checkpoint (`assert_resumed_at`). DeepSpeed runs on its CPU accelerator, which
+joins the processes with gloo by itself: the DeepSpeed launches must not set ACCELERATE_USE_CPU (accelerate would
+quietly fall back to DDP with it). The first DeepSpeed run on a machine compiles one small C++ op (about 30 s).
+accelerate 1.15 does not set up FSDP without a GPU: the FSDP runs go through a driver script written by the test
+(FSDP_ON_CPU) that adapts accelerate's device checks in the test's processes only, and checks that the model really
+is sharded.
 
 - ZeRO-2: sft.py, reward.py, ppo.py (6 steps or updates), ppo_multinode.py (2 updates);
 - ZeRO-3: sft.py (tensorboard samples generated in step on every process), reward.py (the new score head drawn on
@@ -36,7 +40,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from resume_test import scalars, stage_command, tiny_rm_dir  # noqa: F401  (fixture)
+from resume_test import assert_resumed_at, scalars, stage_command, tiny_rm_dir  # noqa: F401  (fixture)
 from multinode_test import parameter_checksum, ppo_multinode, run_args, tiny  # noqa: F401  (tiny: a pytest fixture)
 from utils_test import tiny_model_dir  # noqa: F401  (pytest fixture)
 
@@ -47,6 +51,24 @@ FSDP_ATOL = 1e-6  # FSDP steps the same per-parameter AdamW on the local shards:
 
 needs_deepspeed = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None,
                                      reason="deepspeed is not installed")
+
+# The DDP-against-sharded tests train hard enough that the weights move far more than the tolerance, with a
+# --max_grad_norm below every step's gradient norm, so that every step is clipped (checked in each test from the
+# DDP run's norms, `launch_ddp`) and a clip that one side skips shows. Measured on the tiny models under DDP, 6 steps
+# (ppo.py: 6 updates of 2 minibatches x 2 epochs; ppo_multinode.py: 2 updates of 2 minibatches): the largest weight
+# change is 3.0e-3 for sft.py and reward.py, 2.3e-3 for ppo.py, 1.2e-3 for ppo_multinode.py, at least 120 times the
+# DeepSpeed tolerance (and the runs under ZeRO-2, ZeRO-3 and FSDP end 1.2e-7 to 1.6e-7 from DDP's); the gradient norms
+# before clipping are 1.03-1.28 (sft.py), 12-22 (reward.py), 3.0-5.0 (ppo.py), 5.2-7.0 (ppo_multinode.py). A run
+# without the clip ends 1.2e-3 (sft.py) and 1.4e-3 (ppo.py, one process) away from the clipped one. PPO's value clip
+# binds too (checked: val/clipfrac > 0 in the DDP run), at the default 0.2 for ppo.py and at 0.02 for
+# ppo_multinode.py, whose values move less in its 2 updates; val/clipfrac is compared like every metric. It once
+# differed by one token between engines because a value inside the range came back 1 ulp off from the clipped
+# step and counted as clipped (fixed in ppo_losses, tested in utils_test.py).
+HARD = {"sft": ["--learning_rate", "1e-3", "--max_grad_norm", "0.3"],
+        "reward": ["--learning_rate", "1e-3", "--max_grad_norm", "5"],
+        "ppo": ["--learning_rate", "2e-4", "--max_grad_norm", "0.5"]}
+HARD_MULTINODE = {"learning_rate": 5e-4, "max_grad_norm": 0.5, "cliprange_value": 0.02}  # multinode_test.run_args
+MOVED = 100  # the weights must move at least this many times the tolerance of the comparison
 
 
 def launch_two(config, args, run_name, env_extra=None, fails=False):
@@ -88,6 +110,63 @@ def launch_two(config, args, run_name, env_extra=None, fails=False):
     return output
 
 
+GRAD_NORMS = '''"""Test-only driver (written by sharded_test.py): `accelerate launch ... grad_norms.py SCRIPT.py
+ARGS...` runs SCRIPT's `main` exactly as its `__main__` does (`run_as_command(main, tyro.cli(Args))`), and records the
+gradient norm that every `Accelerator.clip_grad_norm_` call returns (the norm before clipping) to
+$GRAD_NORM_DIR/rank<r>.json.
+"""
+import importlib.util
+import json
+import os
+import sys
+
+import tyro
+from accelerate import Accelerator
+
+original_clip_grad_norm_ = Accelerator.clip_grad_norm_
+norms = []
+
+
+def clip_grad_norm_(self, parameters, max_norm, norm_type=2):
+    norm = original_clip_grad_norm_(self, parameters, max_norm, norm_type)
+    norms.append(float(norm))
+    with open(os.path.join(os.environ["GRAD_NORM_DIR"], f"rank{self.process_index}.json"), "w") as f:
+        json.dump(norms, f)
+    return norm
+
+
+Accelerator.clip_grad_norm_ = clip_grad_norm_
+script, sys.argv = sys.argv[1], sys.argv[1:]
+spec = importlib.util.spec_from_file_location(os.path.basename(script).removesuffix(".py"), script)
+module = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(module)
+module.run_as_command(module.main, tyro.cli(module.Args))
+'''
+
+
+def launch_ddp(args, run_name, tmp_path):
+    """`launch_two` under DDP through the GRAD_NORMS driver; returns the gradient norms before clipping, one per
+    optimizer step (the same on both processes: DDP all-reduces the gradients first)."""
+    driver = tmp_path / "grad_norms.py"
+    driver.write_text(GRAD_NORMS)
+    report_dir = tmp_path / f"grad_norms_{run_name}"
+    report_dir.mkdir()
+    launch_two(None, [args[0], str(driver), *args[1:]], run_name, {"GRAD_NORM_DIR": str(report_dir)})
+    norms = [json.loads((report_dir / f"rank{rank}.json").read_text()) for rank in (0, 1)]
+    assert norms[0] and norms[0] == pytest.approx(norms[1], rel=1e-6), norms
+    return norms[0]
+
+
+def assert_clipped_and_moved(norms, max_grad_norm, initial_dir, trained_dir, atol):
+    """Every optimizer step of the DDP run was clipped (its gradient norm before clipping exceeds --max_grad_norm),
+    and training moved some weight by more than MOVED times the tolerance `atol` of the comparison."""
+    assert min(norms) > max_grad_norm, f"not every step clipped: norms {norms}, --max_grad_norm {max_grad_norm}"
+    initial = load_file(os.path.join(initial_dir, "model.safetensors"))
+    trained = load_file(os.path.join(trained_dir, "model.safetensors"))
+    movement = max((trained[k] - initial[k]).abs().max().item() for k in initial.keys() & trained.keys())
+    assert movement > MOVED * atol, f"the weights moved {movement:.2e}, tolerance {atol:.0e}"
+
+
 def assert_same_saved_weights(dir_a, dir_b, atol=ATOL):
     """`dir_b` holds the weights of `dir_a`, within `atol`. DeepSpeed's state dict clones every tensor for saving
     (accelerate's `clone_tensors_for_torch_save`), which unties the tied output embedding: `save_pretrained` then
@@ -112,6 +191,8 @@ def assert_same_scalars(log_dir, want_run, got_run, steps, atol=ATOL):
         for step, value in values.items():
             assert got[tag][step] == pytest.approx(value, abs=atol, rel=atol), f"{tag} at step {step}"
             compared += 1
+    if want_run == "ddp" and "ppo/val/clipfrac_avg" in want:  # HARD's PPO runs: the value clip is exercised too
+        assert max(want["ppo/val/clipfrac_avg"].values()) > 0, "the value clip never bound"
     return compared
 
 
@@ -119,21 +200,25 @@ def assert_same_scalars(log_dir, want_run, got_run, steps, atol=ATOL):
 @pytest.mark.parametrize("stage", ["sft", "reward", "ppo"])
 def test_zero2_equals_ddp(stage, tiny_model_dir, tiny_rm_dir, tmp_path):  # noqa: F811
     """ZeRO-2 (optimizer states and gradients sharded) takes the same steps as DDP: sft.py, reward.py and ppo.py,
-    6 steps (updates) of the tiny model on 2 processes."""
+    6 steps (updates) of the tiny model on 2 processes, every step clipped (HARD: DeepSpeed clips inside its own
+    step, at the `gradient_clipping` the script writes into its config)."""
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
     log_dir = str(tmp_path / "tb")
     for name, config in (("ddp", None), ("zero2", "deepspeed_zero2")):
-        launch_two(config, stage_command(stage, tiny_model_dir, tiny_rm_dir, str(tmp_path / name), name), name)
+        cmd = stage_command(stage, tiny_model_dir, tiny_rm_dir, str(tmp_path / name), name, HARD[stage])
+        if config is None:
+            norms = launch_ddp(cmd, name, tmp_path)
+        else:
+            launch_two(config, cmd, name)
+    assert_clipped_and_moved(norms, float(HARD[stage][3]), tiny_model_dir, str(tmp_path / "ddp"), ATOL)
     assert assert_same_scalars(log_dir, "ddp", "zero2", set(range(7))) >= 12
     assert_same_saved_weights(str(tmp_path / "ddp"), str(tmp_path / "zero2"))
     if stage == "ppo":
         assert_same_saved_weights(str(tmp_path / "ddp" / "value_model"), str(tmp_path / "zero2" / "value_model"))
         AutoModelForSequenceClassification.from_pretrained(tmp_path / "zero2" / "value_model")
     model_class = AutoModelForSequenceClassification if stage == "reward" else AutoModelForCausalLM
-    trained = model_class.from_pretrained(tmp_path / "zero2").state_dict()
-    initial = AutoModelForCausalLM.from_pretrained(tiny_model_dir).state_dict()
-    assert any(not torch.equal(trained[k], initial[k]) for k in trained.keys() & initial.keys())  # it trained
+    model_class.from_pretrained(tmp_path / "zero2")
 
 
 @needs_deepspeed
@@ -147,11 +232,16 @@ def test_ppo_multinode_equals_ddp(config, tiny, tmp_path):  # noqa: F811
     dump = tmp_path / "dump"  # the sharded run's parameter checksums before and after training, per process
     dump.mkdir()
     for name, launch_config in (("ddp", None), ("sharded", config)):
-        args = run_args(tiny, tmp_path / name, run_name=name, log_dir=tmp_path / "tb")
+        args = run_args(tiny, tmp_path / name, run_name=name, log_dir=tmp_path / "tb", **HARD_MULTINODE)
         # The sharded run goes through multinode_test.py's `record` driver: ppo_multinode.py with its training
         # step wrapped by a checksum of the whole weights before and after (no test-only flag in the script).
         script = ["ppo_multinode.py"] if name == "ddp" else ["multinode_test.py", "record", str(dump)]
-        launch_two(launch_config, ["python", *script, *[f"--{k}={v}" for k, v in args.items()]], name)
+        cmd = ["python", *script, *[f"--{k}={v}" for k, v in args.items()]]
+        if name == "ddp":
+            norms = launch_ddp(cmd, name, tmp_path)
+        else:
+            launch_two(launch_config, cmd, name)
+    assert_clipped_and_moved(norms, HARD_MULTINODE["max_grad_norm"], tiny / "policy", tmp_path / "ddp" / "model", ATOL)
     # The checksum covers whole weights (under ZeRO-3 it must gather them): it is the initial models' at the start,
     # the same on both processes, and training changes it.
     policy = AutoModelForCausalLM.from_pretrained(tiny / "policy")
@@ -178,7 +268,12 @@ def test_zero3_equals_ddp(stage, tiny_model_dir, tiny_rm_dir, tmp_path):  # noqa
 
     uneven = ["--eval_samples", "9", "--per_device_train_batch_size", "1", "--gradient_accumulation_steps", "2"]
     for name, config in (("ddp", None), ("zero3", "deepspeed_zero3")):
-        launch_two(config, stage_command(stage, tiny_model_dir, tiny_rm_dir, str(tmp_path / name), name, uneven), name)
+        cmd = stage_command(stage, tiny_model_dir, tiny_rm_dir, str(tmp_path / name), name, uneven + HARD[stage])
+        if config is None:
+            norms = launch_ddp(cmd, name, tmp_path)
+        else:
+            launch_two(config, cmd, name)
+    assert_clipped_and_moved(norms, float(HARD[stage][3]), tiny_model_dir, str(tmp_path / "ddp"), ATOL)
     assert assert_same_scalars(str(tmp_path / "tb"), "ddp", "zero3", set(range(7))) >= 12
     assert_same_saved_weights(str(tmp_path / "ddp"), str(tmp_path / "zero3"))
     model_class = AutoModelForSequenceClassification if stage == "reward" else AutoModelForCausalLM
@@ -199,10 +294,10 @@ def test_zero3_resume_equals_uninterrupted(stage, tiny_model_dir, tmp_path):  # 
     checkpoint = os.path.join(straight + "-checkpoints", "checkpoint-3")
     cmd = stage_command(stage, tiny_model_dir, None, resumed, "resumed", ["--resume_from", checkpoint])
     cmd[cmd.index("--per_device_train_batch_size") + 1] = "2"
-    launch_two("deepspeed_zero3", cmd, "resumed")
+    output = launch_two("deepspeed_zero3", cmd, "resumed")
+    assert_resumed_at(output, str(tmp_path / "tb"), "resumed", checkpoint)  # it did start at step 4
     assert_same_saved_weights(straight, resumed)
     assert assert_same_scalars(str(tmp_path / "tb"), "straight", "resumed", {4, 5, 6}) >= 3
-    assert not any(scalars(str(tmp_path / "tb"), "resumed", {1, 2, 3}).values())  # it did start at step 4
 
 
 @needs_deepspeed
@@ -216,11 +311,12 @@ def test_ppo_multinode_zero3_resume_equals_uninterrupted(tiny, tmp_path):  # noq
         args = run_args(tiny, runs[name], run_name=name, log_dir=tmp_path / "tb", total_episodes=16, **extra)
         if name == "resumed":
             args["resume_from"] = str(runs["straight"] / "model-checkpoints" / "checkpoint-2")
-        launch_two("deepspeed_zero3", ["python", "ppo_multinode.py", *[f"--{k}={v}" for k, v in args.items()]], name)
+        output = launch_two("deepspeed_zero3", ["python", "ppo_multinode.py",
+                                                *[f"--{k}={v}" for k, v in args.items()]], name)
+    assert_resumed_at(output, str(tmp_path / "tb"), "resumed", args["resume_from"])  # it did start at update 3
     for folder in ("model", "model/value_model"):
         assert_same_saved_weights(str(runs["straight"] / folder), str(runs["resumed"] / folder))
     assert assert_same_scalars(str(tmp_path / "tb"), "straight", "resumed", {3, 4}) >= 12
-    assert not any(scalars(str(tmp_path / "tb"), "resumed", {1, 2}).values())  # it did start at update 3
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -368,12 +464,14 @@ def test_ppo_multinode_fsdp_equals_ddp(version, tiny, tmp_path):  # noqa: F811
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
     for name in ("ddp", "fsdp"):
-        args = run_args(tiny, tmp_path / name, run_name=name, log_dir=tmp_path / "tb")
+        args = run_args(tiny, tmp_path / name, run_name=name, log_dir=tmp_path / "tb", **HARD_MULTINODE)
         cmd = ["python", "ppo_multinode.py", *[f"--{k}={v}" for k, v in args.items()]]
         if name == "ddp":
-            launch_two(None, cmd, name)
+            norms = launch_ddp(cmd, name, tmp_path)
         else:
             launch_fsdp(cmd, name, tmp_path, "fsdp" if version == 1 else fsdp2_config(tmp_path))
+    assert_clipped_and_moved(norms, HARD_MULTINODE["max_grad_norm"], tiny / "policy", tmp_path / "ddp" / "model",
+                             FSDP_ATOL)
     assert assert_same_scalars(str(tmp_path / "tb"), "ddp", "fsdp", {0, 1, 2}, FSDP_ATOL) >= 12
     for folder in ("model", "model/value_model"):
         assert_same_saved_weights(str(tmp_path / "ddp" / folder), str(tmp_path / "fsdp" / folder), FSDP_ATOL)
@@ -390,8 +488,12 @@ def test_fsdp_equals_ddp(stage, tiny_model_dir, tmp_path):  # noqa: F811
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
     for name in ("ddp", "fsdp"):
-        cmd = stage_command(stage, tiny_model_dir, None, str(tmp_path / name), name)
-        launch_two(None, cmd, name) if name == "ddp" else launch_fsdp(cmd, name, tmp_path)
+        cmd = stage_command(stage, tiny_model_dir, None, str(tmp_path / name), name, HARD[stage])
+        if name == "ddp":
+            norms = launch_ddp(cmd, name, tmp_path)
+        else:
+            launch_fsdp(cmd, name, tmp_path)
+    assert_clipped_and_moved(norms, float(HARD[stage][3]), tiny_model_dir, str(tmp_path / "ddp"), FSDP_ATOL)
     assert assert_same_scalars(str(tmp_path / "tb"), "ddp", "fsdp", set(range(7)), FSDP_ATOL) >= 12
     assert_same_saved_weights(str(tmp_path / "ddp"), str(tmp_path / "fsdp"), FSDP_ATOL)
     model_class = AutoModelForSequenceClassification if stage == "reward" else AutoModelForCausalLM
@@ -409,18 +511,17 @@ def test_fsdp_resume_equals_uninterrupted(stage, tiny_model_dir, tiny, tmp_path)
         runs[name] = tmp_path / name
         if stage == "ppo_multinode":
             args = run_args(tiny, runs[name], run_name=name, log_dir=log_dir, total_episodes=16)
-            checkpoint = runs["straight"] / "model-checkpoints" / "checkpoint-2"
-            args.update({"save_every": 2} if name == "straight" else {"resume_from": str(checkpoint)})
+            checkpoint = str(runs["straight"] / "model-checkpoints" / "checkpoint-2")
+            args.update({"save_every": 2} if name == "straight" else {"resume_from": checkpoint})
             cmd = ["python", "ppo_multinode.py", *[f"--{k}={v}" for k, v in args.items()]]
         else:
-            extra = ["--save_every", "3"] if name == "straight" else \
-                ["--resume_from", str(runs["straight"]) + "-checkpoints/checkpoint-3"]
+            checkpoint = str(runs["straight"]) + "-checkpoints/checkpoint-3"
+            extra = ["--save_every", "3"] if name == "straight" else ["--resume_from", checkpoint]
             cmd = stage_command(stage, tiny_model_dir, None, str(runs[name]), name, extra)
             cmd[cmd.index("--per_device_train_batch_size") + 1] = "2"
-        launch_fsdp(cmd, name, tmp_path)
-    final, resumed_steps, earlier = ({"model", "model/value_model"}, {3, 4}, {1, 2}) if stage == "ppo_multinode" \
-        else ({""}, {4, 5, 6}, {1, 2, 3})
-    assert not any(scalars(log_dir, "resumed", earlier).values())  # it did start after the checkpoint
+        output = launch_fsdp(cmd, name, tmp_path)
+    final, resumed_steps = ({"model", "model/value_model"}, {3, 4}) if stage == "ppo_multinode" else ({""}, {4, 5, 6})
+    assert_resumed_at(output, log_dir, "resumed", checkpoint)  # it did start after the checkpoint
     assert assert_same_scalars(log_dir, "straight", "resumed", resumed_steps, FSDP_ATOL) >= 3
     for folder in final:
         assert_same_saved_weights(str(runs["straight"] / folder), str(runs["resumed"] / folder), FSDP_ATOL)

@@ -120,17 +120,32 @@ def test_no_stop_token_keeps_every_token():
 
 
 def test_ppo_losses_on_a_hand_example():
-    ones = torch.ones(1, 2)
-    adv = torch.tensor([[1.0, -1.0]])
-    new_lp = torch.log(torch.tensor([[1.5, 0.5]]))  # ratios 1.5 and 0.5, both outside [0.8, 1.2]
-    pg, vf, stats = ppo.ppo_losses(new_lp, torch.zeros(1, 2), adv, torch.zeros(1, 2), torch.zeros(1, 2),
-                                   torch.ones(1, 2), ones, cliprange=0.2, cliprange_value=0.2)
-    # token 0: max(-1.5, -1.2) = -1.2; token 1: max(0.5, 0.8) = 0.8 -> mean -0.2
-    torch.testing.assert_close(pg, torch.tensor(-0.2))
-    # values 0, returns 1, clipped values 0: 0.5 * mean(1) = 0.5
-    torch.testing.assert_close(vf, torch.tensor(0.5))
-    total, count = stats["policy/clipfrac"]
-    assert total / count == 1.0
+    """Three tokens, each of which takes another branch of the clipped losses (clip ranges 0.2; rollout logprobs and
+    values 0, returns 1):
+        policy  advantage  ratio  -A*ratio  -A*clip(ratio)  max (taken)
+        0       +1         1.5    -1.5      -1.2            -1.2  clipped
+        1       -1         0.5     0.5       0.8             0.8  clipped
+        2       +1         1.0    -1.0      -1.0            -1.0  either
+        value   V_new  clip(V_new, 0 +- 0.2)  (V_new - 1)^2  (clip - 1)^2  max (taken)
+        0       0.5    0.2                    0.25           0.64          0.64  clipped
+        1       2.0    0.2                    1.00           0.64          1.00  unclipped, though V_new is outside
+        2      -0.1   -0.1                    1.21           1.21          1.21  either
+    pg = mean(-1.2, 0.8, -1.0) = -0.4667; vf = 0.5 * mean(0.64, 1.00, 1.21) = 0.475. Without the ratio clip pg would
+    be -0.5, without the value clip vf 0.41, with min for max vf 0.35."""
+    mask = torch.ones(1, 3)
+    adv = torch.tensor([[1.0, -1.0, 1.0]])
+    new_lp = torch.log(torch.tensor([[1.5, 0.5, 1.0]]))  # rollout logprobs 0: these are the ratios
+    new_values = torch.tensor([[0.5, 2.0, -0.1]])
+    zeros, returns = torch.zeros(1, 3), torch.ones(1, 3)
+    pg, vf, stats = ppo.ppo_losses(new_lp, zeros, adv, new_values, zeros, returns, mask, cliprange=0.2,
+                                   cliprange_value=0.2)
+    torch.testing.assert_close(pg, torch.tensor(-1.4 / 3))
+    torch.testing.assert_close(vf, torch.tensor(0.475))
+    assert [t.item() for t in stats["policy/clipfrac"]] == [2.0, 3.0]  # tokens 0 and 1 take the clipped term
+    assert [t.item() for t in stats["val/clipfrac"]] == [1.0, 3.0]  # token 0 only
+    # Divided by the whole minibatch's tokens (here 6, of which these 3): the same sums, half the means.
+    pg6, vf6, _ = ppo.ppo_losses(new_lp, zeros, adv, new_values, zeros, returns, mask, 0.2, 0.2, torch.tensor(6.0))
+    torch.testing.assert_close(torch.stack([pg6, vf6]), torch.stack([pg, vf]) / 2)
 
 
 def test_global_stats_are_over_samples_not_device_means():
@@ -436,6 +451,85 @@ def test_reward_model_statistics_are_two_pass(monkeypatch):
     assert scores.tolist() == torch.stack([chosen, rejected], 1).tolist()
     assert metrics["eval/scores_chosen_std"] == pytest.approx(chosen.double().std().item(), rel=0.02)
     assert metrics["eval/scores_rejected_std"] == pytest.approx(rejected.double().std().item(), rel=0.02)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# SFT labels and loss, the reward model's loss, accuracy and bias, on hand-made cases
+# ---------------------------------------------------------------------------------------------------------------
+class WordTokenizer:
+    """Token ids of whitespace-separated words from a fixed table; EOS 2, which is also the pad id (as SmolLM2's)."""
+
+    eos_token_id = pad_token_id = 2
+    ids = {"a": 10, "b": 11, "c": 12, "d": 13, "e": 14, "f": 15}
+
+    def __call__(self, text, add_special_tokens=False):
+        return {"input_ids": [self.ids[word] for word in text.split()]}
+
+
+class NextTokenModel(torch.nn.Module):
+    """A causal LM stand-in over 16 tokens whose logits at position t give input token t+1 probability 1/2 (logit
+    log 15 against 0 for the 15 others): every correctly shifted label costs exactly log 2 nats."""
+
+    def forward(self, input_ids, attention_mask, use_cache):
+        logits = torch.zeros(*input_ids.shape, 16)
+        logits[:, :-1].scatter_(2, input_ids[:, 1:, None], torch.tensor(15.0).log().item())
+        return types.SimpleNamespace(logits=logits)
+
+
+def test_sft_labels_are_the_completion_and_its_eos():
+    """Prompt "a b c" kept to its last 2 tokens (11 12), completion " d e" (13 14) and the EOS (2) that ends it; a
+    short example padded with 2, the EOS id (so padding is told by position, never by id); one cut at max_length 4,
+    which loses its EOS. Labels: -100 on the prompt and the padding, the completion's ids and its EOS elsewhere. The
+    loss then counts 7 labels (3 + 2 + 2 after the one-token shift), each log 2 under NextTokenModel."""
+    tokenizer = WordTokenizer()
+    long = sft.tokenize_sft("a b c", " d e", tokenizer, max_prompt_length=2, max_length=8)
+    short = sft.tokenize_sft("a", " d", tokenizer, max_prompt_length=2, max_length=8)
+    cut = sft.tokenize_sft("a b", " d e f", tokenizer, max_prompt_length=2, max_length=4)
+    assert (long, short, cut) == (([11, 12, 13, 14, 2], 2), ([10, 13, 2], 1), ([10, 11, 13, 14], 2))
+    batch = sft.collate_sft([long, short, cut], pad_token_id=2)
+    assert batch["input_ids"].tolist() == [[11, 12, 13, 14, 2], [10, 13, 2, 2, 2], [10, 11, 13, 14, 2]]
+    assert batch["attention_mask"].tolist() == [[1, 1, 1, 1, 1], [1, 1, 1, 0, 0], [1, 1, 1, 1, 0]]
+    assert batch["labels"].tolist() == [[-100, -100, 13, 14, 2], [-100, 13, 2, -100, -100],
+                                        [-100, -100, 13, 14, -100]]
+    loss_sum, n_tokens = sft.completion_loss(NextTokenModel(), batch)
+    assert n_tokens.item() == 7
+    torch.testing.assert_close(loss_sum, 7 * torch.tensor(2.0).log())
+
+
+def test_reward_pair_loss_and_accuracy_on_a_hand_example(monkeypatch):
+    """Bradley-Terry on three pairs of scores (chosen, rejected): (2, 0), (0, 2), (1, 1). Loss -log sigmoid(r_chosen
+    - r_rejected): log(1 + e^-2) = 0.1269, log(1 + e^2) = 2.1269, log 2 = 0.6931; correct 1, 0, 0 (a tie is no
+    correct ranking). Over the held-out set (`evaluate_pairs`): loss 0.9823, their mean, and accuracy 1/3."""
+    chosen, rejected = torch.tensor([2.0, 0.0, 1.0]), torch.tensor([0.0, 2.0, 1.0])
+    loss, correct, got_chosen, got_rejected = reward.pair_stats(torch.cat([chosen, rejected]))
+    want = [torch.tensor(x).exp().log1p().item() for x in (-2.0, 2.0, 0.0)]
+    torch.testing.assert_close(loss, torch.tensor(want))
+    assert correct.tolist() == [1.0, 0.0, 0.0]
+    assert got_chosen.tolist() == chosen.tolist() and got_rejected.tolist() == rejected.tolist()
+    monkeypatch.setattr(reward, "get_reward", lambda model, input_ids, attention_mask: torch.cat([chosen, rejected]))
+    metrics, _ = reward.evaluate_pairs(Accelerator(cpu=True), torch.nn.Identity(), [([1, 2], [1, 3])] * 3, 3, 0)
+    assert metrics["eval/loss"] == pytest.approx(sum(want) / 3) and metrics["eval/accuracy"] == pytest.approx(1 / 3)
+
+
+def test_reward_bias_centres_the_held_out_scores(tiny_chain):
+    """reward.py sets `reward_bias` so that the held-out replies it evaluated (the first 8 pairs: chosen and
+    rejected, equally many) score 0 on average with the saved model. Scored afresh here (`get_reward` adds the bias),
+    their mean is 0 within float32 rounding; without the bias it would be -reward_bias, far from 0 (measured: bias
+    +0.101, the mean with it 3e-8, the tolerance 1e-5)."""
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    out, _ = tiny_chain
+    rm = AutoModelForSequenceClassification.from_pretrained(out / "reward").eval()
+    tokenizer = AutoTokenizer.from_pretrained(out / "reward")
+    defaults = reward.Args()
+    _, held_out = reward.load_splits("imdb", "rm")
+    pairs = reward.tokenize_pairs(held_out.select(range(8)).to_dict(), tokenizer, defaults.max_prompt_length,
+                                  defaults.max_length)
+    batch = reward.collate_pairs(pairs, tokenizer.pad_token_id)
+    with torch.no_grad():
+        scores = reward.get_reward(rm, batch["input_ids"], batch["attention_mask"])
+    assert abs(rm.config.reward_bias) > 1e-2  # the check below would hold for any bias near 0
+    assert scores.mean().item() == pytest.approx(0.0, abs=1e-5), (scores.mean().item(), rm.config.reward_bias)
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -1,0 +1,413 @@
+"""Mutation testing: break the scripts on purpose, one small realistic bug at a time, and check that the test meant
+to guard that guarantee fails.
+
+    python tools/mutants.py                      # every mutant, then the markdown table (README, "Mutation testing")
+    python tools/mutants.py --fast               # the few whose tests take seconds (CI runs these: mutation_test.py)
+    python tools/mutants.py --only kl-sign-flipped score-on-padding-slot
+    python tools/mutants.py --list               # the mutants and their tests; checks that every one still applies
+    python tools/mutants.py --json results.json  # the results as JSON too
+
+A mutant is one or a few exact-text replacements in one script, each of which must match exactly once in the current
+file: a replacement that matches zero or several times makes the mutant "broken" (the list is out of step with the
+code) instead of silently testing nothing. Each mutant names the ONE test (a pytest node id) that must catch it.
+
+The harness copies the repository's files (`git ls-files`: tracked files and untracked ones git does not ignore, so
+uncommitted work is tested as it stands) to a scratch folder, once. It first runs every selected test on the
+unmutated copy, in one pytest run: a test that fails anyway would "catch" any mutant and prove nothing, so its mutants
+are not judged ("baseline failed"). Then, one mutant at a time: it writes the mutated file, runs the mutant's test
+with pytest in the copy (its own `--basetemp`, a timeout), records the result and writes the original back.
+
+Results: `caught` (the test failed), `NOT CAUGHT` (the test passed), `caught (timed out)` (the test did not finish
+within --timeout: it did not pass, but a hang is a weak signal, so the table says so), `broken` (a replacement did
+not match exactly once, or the mutated file does not compile), `skipped` (pytest skipped the test: nothing proved),
+`baseline failed`. The exit status is 0 only when every selected mutant was caught.
+"""
+
+import argparse
+import json
+import os
+import py_compile
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import xml.etree.ElementTree as ET
+from dataclasses import dataclass
+
+HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@dataclass
+class Mutant:
+    name: str
+    file: str
+    bug: str  # the guarantee it breaks, in a few words (README's table shows it)
+    edits: list  # [(old, new), ...]: each `old` must occur exactly once in `file`
+    test: str  # the pytest node id that must fail
+    fast: bool = False  # its test takes seconds: CI runs it (mutation_test.py)
+
+
+U = "utils_test.py::"
+R = "resume_test.py::"
+F = "fault_test.py::"
+S = "sharded_test.py::"
+M = "multinode_test.py::"
+
+MUTANTS = [
+    # --- resuming and signals ------------------------------------------------------------------------------------
+    Mutant("resume-auto-starts-fresh", "sft.py", "`--resume_from auto` finds no checkpoint: retrains from scratch",
+           [('    path = list_checkpoints(checkpoint_dir)[-1:] if resume_from in ("latest", "auto") else [resume_from]',
+             '    path = list_checkpoints(checkpoint_dir if resume_from == "latest" else resume_from)[-1:] '
+             'if resume_from in ("latest", "auto") else [resume_from]')],
+           F + "test_signal_checkpoints_and_resume_equals_uninterrupted[sft-15]"),
+    Mutant("loss-watch-not-restored", "sft.py", "a resumed run forgets the watched (smoothed) loss",
+           [('step, watch = state["step"], state.get("loss_watch", {})', 'step, watch = state["step"], {}')],
+           R + "test_kill_and_resume_equals_uninterrupted[sft-no]"),
+    Mutant("scheduler-not-checkpointed", "reward.py", "the LR scheduler is not saved: a resumed run restarts it",
+           [("    accelerator.register_for_checkpointing(scheduler)\n", "")],
+           R + "test_kill_and_resume_equals_uninterrupted[reward-no]"),
+    Mutant("rng-reseeded-on-resume", "ppo.py", "RNG state not restored: reseeded after loading the checkpoint",
+           [("    state = load_checkpoint(accelerator, args.resume_from, checkpoint_dir, config) if args.resume_from "
+             "else None\n",
+             "    state = load_checkpoint(accelerator, args.resume_from, checkpoint_dir, config) if args.resume_from "
+             "else None\n    set_seed(args.seed, device_specific=True)\n")],
+           R + "test_kill_and_resume_equals_uninterrupted[ppo-no]"),
+    Mutant("checkpoint-written-in-place", "sft.py", "checkpoint not atomic: written under its final name, no .tmp",
+           [('    tmp = final + ".tmp"\n', "    tmp = final\n"),
+            ("            shutil.rmtree(final, ignore_errors=True)\n            os.replace(tmp, final)\n", "")],
+           R + "test_kill_during_checkpoint_write_keeps_the_previous_one"),
+    Mutant("sigterm-no-checkpoint", "ppo.py", "SIGTERM stops the run without writing a checkpoint",
+           [("        if (args.save_every and update % args.save_every == 0) or stop:",
+             "        if args.save_every and update % args.save_every == 0:")],
+           F + "test_signal_checkpoints_and_resume_equals_uninterrupted[ppo-15]"),
+    Mutant("sigint-not-handled", "reward.py", "SIGINT (Ctrl-C) kills the run instead of checkpointing",
+           [("    for signum in (signal.SIGTERM, signal.SIGINT):", "    for signum in (signal.SIGTERM,):")],
+           F + "test_signal_checkpoints_and_resume_equals_uninterrupted[reward-2]"),
+    Mutant("stop-not-agreed", "sft.py", "a signal to one process is not shared: the others do not stop with it",
+           [('    asked = accelerator.reduce(torch.tensor(float("name" in STOP_SIGNAL), device=accelerator.device), '
+             '"sum")',
+             '    asked = torch.tensor(float("name" in STOP_SIGNAL), device=accelerator.device)')],
+           F + "test_sigterm_to_one_of_two_processes_stops_both_with_a_checkpoint"),
+    # --- output folders, errors, divergence ---------------------------------------------------------------------
+    Mutant("foreign-output-replaced", "sft.py", "a non-empty --output_dir without the marker is replaced",
+           [("        elif output_stage(out) != stage and not overwrite:",
+             "        elif output_stage(out) not in (stage, None) and not overwrite:")],
+           F + "test_foreign_output_dir_needs_overwrite_and_own_output_is_replaced"),
+    Mutant("user-old-folder-taken", "sft.py", "a user's `<output>.old` counted as the save's own (deleted later)",
+           [("                          (old, os.path.isfile(os.path.join(old, REPLACED_MARKER)))]:",
+             "                          (old, os.path.isdir(old))]:")],
+           F + "test_an_interrupted_rename_is_repaired_and_user_folders_are_not", fast=True),
+    Mutant("error-as-traceback", "sft.py", "a non-finite gradient ends in a traceback, not the one-line error",
+           [("    if isinstance(error, (ValueError, OSError, FloatingPointError)):",
+             "    if isinstance(error, (ValueError, OSError)):")],
+           F + "test_nan_on_one_process_stops_every_process_with_the_same_line"),
+    Mutant("max-loss-ratio-ignored", "sft.py", "`--max_loss_ratio` never stops a diverged run",
+           [('    if max_loss_ratio is not None and smoothed > max(max_loss_ratio * watch["lowest"], watch["first"]):',
+             '    if max_loss_ratio is None and smoothed > max(max_loss_ratio * watch["lowest"], watch["first"]):')],
+           F + "test_sft_and_reward_stop_a_diverged_run_and_keep_earlier_checkpoints[sft]"),
+    Mutant("loss-ratio-checked-after-save", "reward.py", "divergence found only after the step's checkpoint is saved",
+           [("        watch_loss(watch, loss_sum / n, args.max_loss_ratio, step)  # before anything of a diverged step "
+             "is saved\n", "        watch_loss(watch, loss_sum / n, None, step)\n"),
+            ('        if stop:\n            raise Preempted(f"{stop} after step {step}',
+             '        if args.max_loss_ratio is not None and watch["smoothed"] > max(args.max_loss_ratio * '
+             'watch["lowest"], watch["first"]):\n'
+             '            raise FloatingPointError(f"step {step}: the run diverged (training loss smoothed over ~10 '
+             'steps); nothing of this step was saved")\n'
+             '        if stop:\n            raise Preempted(f"{stop} after step {step}')],
+           F + "test_sft_and_reward_stop_a_diverged_run_and_keep_earlier_checkpoints[reward]"),
+    Mutant("approxkl-checked-after-save", "ppo.py", "`--max_approxkl` stops the run only after saving the update",
+           [("        check_divergence(metrics, args.max_approxkl, update)\n", ""),
+            ('        if stop:\n            raise Preempted(f"{stop} after update {update}',
+             '        check_divergence(metrics, args.max_approxkl, update)\n'
+             '        if stop:\n            raise Preempted(f"{stop} after update {update}')],
+           F + "test_divergence_stops_the_run_and_keeps_earlier_checkpoints"),
+    # --- SFT and reward-model maths -------------------------------------------------------------------------------
+    Mutant("labels-on-prompt", "sft.py", "SFT trains on the prompt tokens too",
+           [("        labels[row, start : len(ids)] = torch.tensor(ids[start:])",
+             "        labels[row, : len(ids)] = torch.tensor(ids)")],
+           U + "test_sft_labels_are_the_completion_and_its_eos", fast=True),
+    Mutant("eos-masked-as-padding", "sft.py", "SFT labels told from padding by id: the EOS (= pad) is not learnt",
+           [('    return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}',
+             '    labels[input_ids == pad_token_id] = -100\n'
+             '    return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}')],
+           U + "test_sft_labels_are_the_completion_and_its_eos"),
+    Mutant("sft-token-count-not-reduced", "sft.py", "dropped all-reduce of the step's token count (SFT)",
+           [('        step_tokens = accelerator.reduce(sum((b["labels"][:, 1:] != -100).sum() for b in '
+             'microbatches).float(),\n                                         reduction="sum").clamp(min=1)',
+             '        step_tokens = sum((b["labels"][:, 1:] != -100).sum() for b in microbatches).float()'
+             '.clamp(min=1)')],
+           R + "test_one_process_accumulating_equals_two_processes[sft]"),
+    Mutant("bradley-terry-sign-flipped", "reward.py", "the reward model is trained to prefer the rejected reply",
+           [("    return -F.logsigmoid(chosen - rejected), (chosen > rejected).float(), chosen, rejected",
+             "    return -F.logsigmoid(rejected - chosen), (chosen > rejected).float(), chosen, rejected")],
+           U + "test_reward_pair_loss_and_accuracy_on_a_hand_example", fast=True),
+    Mutant("tie-counted-correct", "reward.py", "accuracy counts a tie as a correct ranking",
+           [("    return -F.logsigmoid(chosen - rejected), (chosen > rejected).float(), chosen, rejected",
+             "    return -F.logsigmoid(chosen - rejected), (chosen >= rejected).float(), chosen, rejected")],
+           U + "test_reward_pair_loss_and_accuracy_on_a_hand_example"),
+    Mutant("reward-bias-sign-flipped", "reward.py", "reward_bias doubles the held-out mean instead of removing it",
+           [('    reward_bias = -(metrics["eval/scores_chosen_mean"] + metrics["eval/scores_rejected_mean"]) / 2',
+             '    reward_bias = (metrics["eval/scores_chosen_mean"] + metrics["eval/scores_rejected_mean"]) / 2')],
+           U + "test_reward_bias_centres_the_held_out_scores"),
+    # --- PPO maths ------------------------------------------------------------------------------------------------
+    Mutant("ratio-clip-not-applied", "ppo.py", "the policy ratio is not clipped",
+           [("-advantages * ratio.clamp(1 - cliprange, 1 + cliprange)", "-advantages * ratio")],
+           U + "test_ppo_losses_on_a_hand_example"),
+    Mutant("value-clip-not-applied", "ppo.py", "the value prediction is not clipped",
+           [("    clipped_values = torch.clamp(new_values, values - cliprange_value, values + cliprange_value)",
+             "    clipped_values = new_values")],
+           U + "test_ppo_losses_on_a_hand_example", fast=True),
+    Mutant("value-loss-min-for-max", "ppo.py", "min for max in the clipped value loss",
+           [("    vf_sum = 0.5 * (torch.max(vf_losses, vf_losses_clipped) * mask).sum()",
+             "    vf_sum = 0.5 * (torch.min(vf_losses, vf_losses_clipped) * mask).sum()")],
+           U + "test_ppo_losses_on_a_hand_example"),
+    Mutant("kl-sign-flipped", "ppo.py", "the KL penalty rewards moving away from the reference",
+           [("    rewards = -kl_coef * kl\n", "    rewards = kl_coef * kl\n")],
+           U + "test_score_lands_on_last_real_token"),
+    Mutant("score-on-padding-slot", "ppo.py", "the score lands on slot T-1 (padding after an EOS), not on the EOS",
+           [("    rewards[torch.arange(len(rewards), device=rewards.device), last_real] += scores",
+             "    rewards[:, -1] += scores")],
+           U + "test_score_lands_on_last_real_token", fast=True),
+    Mutant("eos-truncation-off", "ppo.py", "tokens after the first EOS count as the response",
+           [("    return (stopped_before == 0).long()", "    return torch.ones_like(responses)")],
+           U + "test_score_lands_on_last_real_token"),
+    Mutant("gae-lam-for-gamma", "ppo.py", "GAE's TD error discounts the next value by lam instead of gamma",
+           [("        delta = rewards[:, t] + gamma * next_value * next_real - values[:, t]",
+             "        delta = rewards[:, t] + lam * next_value * next_real - values[:, t]")],
+           U + "test_masked_gae_equals_per_sequence_loop"),
+    Mutant("whitening-variance-per-process", "ppo.py", "advantage whitening: variance not all-reduced (not global)",
+           [('    squared_deviations = accelerator.reduce(((values - mean).square() * mask).sum(), reduction="sum")',
+             "    squared_deviations = ((values - mean).square() * mask).sum()")],
+           R + "test_ppo_update_is_world_size_invariant[2-layouts0]"),
+    Mutant("ppo-token-count-not-reduced", "ppo.py", "dropped all-reduce of the minibatch's token count (PPO)",
+           [('            n_tokens = accelerator.reduce(sum(rollouts["mask"][idx].sum() for idx in microbatches), '
+             'reduction="sum")',
+             '            n_tokens = sum(rollouts["mask"][idx].sum() for idx in microbatches)')],
+           R + "test_ppo_update_is_world_size_invariant[1-layouts1]"),
+    Mutant("minibatches-not-reshuffled", "ppo.py", "every PPO epoch sees the same minibatches",
+           [("    for epoch in range(E):\n        orders = [",
+             "    for epoch in range(E):\n        generator.manual_seed(args.seed * 100_003 + update)\n"
+             "        orders = [")],
+           U + "test_minibatch_loop_is_epoch_major_and_reshuffled"),
+    Mutant("logprobs-without-temperature", "ppo.py", "logprobs from logits not divided by the sampling temperature",
+           [("    logits = model.get_output_embeddings()(hidden[:, context_length - 1 : -1]).float() / temperature",
+             "    logits = model.get_output_embeddings()(hidden[:, context_length - 1 : -1]).float()")],
+           U + "test_rollout_samples_from_softmax_of_logits_over_temperature[ppo]"),
+    Mutant("score-read-at-mask-sum", "ppo.py", "the RM score read at mask.sum() - 1: a padding slot when left-padded",
+           [("    last = (positions * attention_mask).argmax(1)  # index of the rightmost real token of each row",
+             "    last = attention_mask.sum(1) - 1")],
+           U + "test_get_reward_is_padding_invariant"),
+    Mutant("reward-bias-not-applied", "ppo.py", "the reward model's reward_bias is not added to its scores",
+           [('    return scores + getattr(model.config, "reward_bias", 0.0)', "    return scores")],
+           U + "test_get_reward_is_padding_invariant"),
+    # --- clipping of the gradient norm; DeepSpeed, FSDP --------------------------------------------------------------
+    Mutant("grad-norm-not-clipped", "ppo.py", "--max_grad_norm not applied (the norm is only measured)",
+           [("grad_norm = accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)",
+             'grad_norm = accelerator.clip_grad_norm_(model.parameters(), float("inf"))')],
+           S + "test_zero2_equals_ddp[ppo]"),
+    Mutant("deepspeed-clip-not-set", "sft.py", "--max_grad_norm not written into the DeepSpeed config",
+           [('    config["gradient_clipping"] = max_grad_norm\n', "")],
+           S + "test_zero2_equals_ddp[sft]"),
+    Mutant("zero3-head-drawn-on-placeholder", "reward.py", "ZeRO-3: the new score head drawn into an empty placeholder",
+           [("        whole = deepspeed.zero.GatheredParameters([head], modifier_rank=0)",
+             "        whole = contextlib.nullcontext()")],
+           S + "test_zero3_equals_ddp[reward]"),
+    Mutant("fsdp-root-not-gathered", "ppo_multinode.py", "FSDP: generation without the root unit's weights gathered",
+           [("        return FullyShardedDataParallel.summon_full_params(model, recurse=False, writeback=False)",
+             "        return contextlib.nullcontext()")],
+           M + "test_fsdp_generation_in_step_on_cpu"),
+    # --- several processes: one reward call, statistics over all samples --------------------------------------------
+    Mutant("scores-scattered-wrong", "ppo_multinode.py", "every process receives the first process's scores",
+           [("per_process[rank], offset = scores[offset : offset + len(part[0])], offset + len(part[0])",
+             "per_process[rank], offset = scores[: len(part[0])], offset + len(part[0])")],
+           M + "test_two_processes_gather_score_once_and_scatter"),
+    Mutant("stats-mean-per-process", "ppo_multinode.py", "statistics' mean: sums and counts not all-reduced",
+           [('    total, count = accelerator.reduce(torch.stack([(values * mask).sum(), mask.sum()]), reduction="sum")',
+             "    total, count = torch.stack([(values * mask).sum(), mask.sum()])")],
+           M + "test_two_processes_gather_score_once_and_scatter"),
+]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+def repository_files(root):
+    """Paths (relative) of the files git knows in `root`: tracked ones and untracked ones it does not ignore."""
+    listed = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=root,
+                            check=True, stdout=subprocess.PIPE).stdout.decode().split("\0")
+    return sorted({path for path in listed if path and os.path.isfile(os.path.join(root, path))})
+
+
+def mutate(text, mutant):
+    """`text` with the mutant's replacements applied, or raise ValueError naming the one that does not match exactly
+    once."""
+    for old, new in mutant.edits:
+        count = text.count(old)
+        if count != 1:
+            raise ValueError(f"{mutant.name}: {count} matches in {mutant.file} (need exactly 1) of {old[:70]!r}")
+        text = text.replace(old, new)
+    return text
+
+
+def kill_tree(proc):
+    """Stop `proc` (a pytest this harness started) and every process under it, launched workers included (torch's
+    launcher starts them in sessions of their own, out of reach of a kill of the process group)."""
+    import psutil
+
+    try:
+        family = psutil.Process(proc.pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        family = []
+    for process in [psutil.Process(proc.pid)] + family if proc.poll() is None else family:
+        try:
+            process.send_signal(signal.SIGKILL)
+        except psutil.NoSuchProcess:
+            pass
+    proc.wait()
+
+
+def run_pytest(copy, node_ids, basetemp, timeout):
+    """Run `node_ids` with pytest in the copy; returns ({node id: passed|failed|skipped}, seconds, timed out, output
+    tail). The bytecode cache is off: a mutated module must never be read from a stale .pyc."""
+    report = basetemp + ".xml"
+    env = dict(os.environ, PYTHONDONTWRITEBYTECODE="1")
+    cmd = [sys.executable, "-m", "pytest", *node_ids, "-q", "-p", "no:cacheprovider", "--basetemp", basetemp,
+           "--junitxml", report]
+    start = time.monotonic()
+    with tempfile.TemporaryFile("w+") as log:  # a file, not a pipe: a full pipe would stall the test
+        proc = subprocess.Popen(cmd, cwd=copy, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            proc.wait(timeout=timeout)
+            timed_out = False
+        except subprocess.TimeoutExpired:
+            kill_tree(proc)
+            timed_out = True
+        log.seek(0)
+        tail = log.read()[-3000:]
+    seconds = time.monotonic() - start
+    outcomes = {}
+    if os.path.exists(report):
+        for case in ET.parse(report).getroot().iter("testcase"):
+            node = case.get("classname", "").replace(".", "/") + ".py::" + case.get("name", "")
+            kinds = {child.tag for child in case}
+            outcomes[node] = ("failed" if kinds & {"failure", "error"} else "skipped" if "skipped" in kinds
+                              else "passed")
+        os.remove(report)
+    shutil.rmtree(basetemp, ignore_errors=True)
+    return outcomes, seconds, timed_out, tail
+
+
+def judge(mutant, copy, scratch, timeout):
+    """Apply `mutant` in `copy`, run its test, restore the file; returns (result, seconds, output tail)."""
+    path = os.path.join(copy, mutant.file)
+    original = open(path, encoding="utf-8").read()
+    try:
+        mutated = mutate(original, mutant)
+    except ValueError as error:
+        return "broken", 0.0, str(error)
+    try:
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(mutated)
+        try:
+            py_compile.compile(path, cfile=os.path.join(scratch, "compiled.pyc"), doraise=True)
+        except py_compile.PyCompileError as error:
+            return "broken", 0.0, f"the mutated {mutant.file} does not compile: {error}"
+        outcomes, seconds, timed_out, tail = run_pytest(copy, [mutant.test], os.path.join(scratch, mutant.name),
+                                                         timeout)
+    finally:
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(original)
+    if timed_out:
+        return "caught (timed out)", seconds, tail
+    outcome = outcomes.get(mutant.test)
+    if outcome is None:  # not collected: the node id is out of step with the tests (or the run crashed early)
+        return ("caught" if outcomes else "broken"), seconds, tail
+    return {"failed": "caught", "passed": "NOT CAUGHT", "skipped": "skipped"}[outcome], seconds, tail
+
+
+def table(rows):
+    lines = ["| mutation | the bug | file | test | result | s |", "|---|---|---|---|---|---|"]
+    for mutant, result, seconds in rows:
+        lines.append(f"| `{mutant.name}` | {mutant.bug} | `{mutant.file}` | `{mutant.test}` | {result} | "
+                     f"{seconds:.0f} |")
+    return "\n".join(lines)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--fast", action="store_true", help="only the mutants marked fast (CI)")
+    parser.add_argument("--only", nargs="+", metavar="NAME", help="only these mutants")
+    parser.add_argument("--list", action="store_true", help="list the mutants, check they apply, run nothing")
+    parser.add_argument("--no_baseline", action="store_true", help="skip the run of the unmutated tests")
+    parser.add_argument("--timeout", type=float, default=1200, help="seconds per test run (default 1200)")
+    parser.add_argument("--json", help="also write the results to this file (with each test run's last output, to "
+                        "see why a mutant was caught)")
+    parser.add_argument("--keep", action="store_true", help="keep the scratch folder (its path is printed)")
+    args = parser.parse_args()
+
+    names = [m.name for m in MUTANTS]
+    assert len(set(names)) == len(names), "two mutants share a name"
+    unknown = set(args.only or []) - set(names)
+    if unknown:
+        parser.error(f"unknown mutant(s) {sorted(unknown)}; --list shows them")
+    selected = [m for m in MUTANTS if (not args.fast or m.fast) and (not args.only or m.name in args.only)]
+
+    if args.list:
+        problems = 0
+        for mutant in selected:
+            try:
+                mutate(open(os.path.join(HERE, mutant.file), encoding="utf-8").read(), mutant)
+                status = "applies"
+            except ValueError as error:
+                status, problems = f"BROKEN: {error}", problems + 1
+            print(f"{mutant.name:34} {mutant.file:17} {'fast ' if mutant.fast else ''}{mutant.test}  [{status}]")
+        print(f"{len(selected)} mutants, {problems} broken")
+        return 1 if problems else 0
+
+    started = time.monotonic()
+    scratch = tempfile.mkdtemp(prefix="mutants-")
+    copy = os.path.join(scratch, "repo")
+    for path in repository_files(HERE):
+        os.makedirs(os.path.dirname(os.path.join(copy, path)), exist_ok=True)
+        shutil.copy2(os.path.join(HERE, path), os.path.join(copy, path))
+    print(f"{len(selected)} mutants; scratch copy {copy}", flush=True)
+    try:
+        baseline = {}
+        if not args.no_baseline:
+            tests = sorted({m.test for m in selected})
+            outcomes, seconds, timed_out, tail = run_pytest(copy, tests, os.path.join(scratch, "baseline"),
+                                                            args.timeout * len(tests))
+            baseline = {test: outcomes.get(test, "not run") for test in tests}
+            bad = {test: outcome for test, outcome in baseline.items() if outcome != "passed"}
+            print(f"baseline: {len(tests) - len(bad)} of {len(tests)} tests pass unmutated ({seconds:.0f} s)"
+                  + (f"; failing: {bad}\n{tail}" if bad else ""), flush=True)
+        rows, results = [], []
+        for mutant in selected:
+            if baseline and baseline[mutant.test] != "passed":
+                result, seconds, tail = "baseline failed", 0.0, ""
+            else:
+                result, seconds, tail = judge(mutant, copy, scratch, args.timeout)
+            rows.append((mutant, result, seconds))
+            results.append({"name": mutant.name, "file": mutant.file, "bug": mutant.bug, "test": mutant.test,
+                            "result": result, "seconds": round(seconds, 1), "output_tail": tail[-2000:]})
+            print(f"{mutant.name}: {result} ({seconds:.0f} s)", flush=True)
+            if result not in ("caught", "caught (timed out)"):
+                print(tail, flush=True)
+    finally:
+        if args.keep:
+            print(f"kept {scratch}")
+        else:
+            shutil.rmtree(scratch, ignore_errors=True)
+    total = time.monotonic() - started
+    caught = sum(r["result"].startswith("caught") for r in results)
+    print("\n" + table(rows))
+    print(f"\n{caught} of {len(results)} mutants caught; {total / 60:.1f} min in all (baseline included)")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"results": results, "baseline": baseline, "minutes": round(total / 60, 1)}, f, indent=2)
+    return 0 if caught == len(results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
