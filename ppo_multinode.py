@@ -509,7 +509,7 @@ def ppo_losses(new_logprobs, logprobs, advantages, new_values, values, returns, 
     over microbatches and processes before dividing. The value loss is the larger squared error, x 0.5. A clip fraction
     is the share of real tokens whose clipped term is the larger (no gradient), as in lm-human-preferences and SFFD:
     advantage -1 at ratio 1.5 is not counted (cleanrl counts every ratio outside the range). New values are clamped
-    to the range, not moved by a clamped step from `values` as there: inside it, that sum can be 1 ulp off, counted."""
+    to the range, not moved by a clamped step from `values` as there: inside it that sum can be 1 ulp off and count."""
     count = mask.sum()
     n_tokens = count if n_tokens is None else n_tokens
     log_ratio = (new_logprobs - logprobs) * mask
