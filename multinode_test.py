@@ -717,17 +717,38 @@ def recording_reward(samples, prompts, outputs, **kwargs):
     """A reward plugged in as `--reward_fn multinode_test:recording_reward`: records its calls, scores with the
     example rule (imdb_rule_reward.py)."""
     RECORDED_CALLS.append({"n": len(samples), "joined": samples == [p + o for p, o in zip(prompts, outputs)],
-                           "ids": tuple(kwargs["query_responses"].shape)})
+                           "ids": tuple(kwargs["query_responses"].shape), "outputs": list(outputs)})
     return imdb_rule_reward.positive_words(samples, prompts, outputs)
 
 
+JUDGED = []
+
+
+def recording_judge(samples, prompts, outputs, **kwargs):
+    """A held-out judge plugged in as `--eval_reward_fn multinode_test:recording_judge`: records the responses it
+    sees and scores each with its length in characters."""
+    JUDGED.append(list(outputs))
+    return [float(len(output)) for output in outputs]
+
+
 def test_plugged_in_reward_function(tiny, tmp_path):
+    """--reward_fn, and a second function as the held-out judge (--eval_reward_fn): it judges the samples the reward
+    scored, and eval/gold_scores is the mean of its scores."""
     RECORDED_CALLS.clear()
+    JUDGED.clear()
     results = ppo_multinode.main(ppo_multinode.Args(**run_args(tiny, tmp_path),
-                                                    reward_fn="multinode_test:recording_reward"))
+                                                    reward_fn="multinode_test:recording_reward",
+                                                    eval_reward_fn="multinode_test:recording_judge"))
     # start evaluation, 2 updates, final evaluation: one call each, with every sample of the batch
     assert [call["n"] for call in RECORDED_CALLS] == [4, 4, 4, 4]
     assert all(call["joined"] and call["ids"] == (4, 8 + 6) for call in RECORDED_CALLS)
+    assert [len(outputs) for outputs in JUDGED] == [4, 4]  # the judge: the start and the final evaluation only
+    for outputs, call, metrics in zip(JUDGED, (RECORDED_CALLS[0], RECORDED_CALLS[-1]), (results["start"],
+                                                                                        results["end"])):
+        assert outputs == call["outputs"]  # the very samples the reward scored
+        lengths = torch.tensor([float(len(output)) for output in outputs])
+        assert metrics["eval/gold_scores"] == pytest.approx(lengths.mean().item(), rel=1e-6)
+        assert metrics["eval/gold_scores_std"] == pytest.approx(lengths.std().item(), rel=1e-5)
     for metrics in results["history"]:
         assert -2.0 <= metrics["objective/scores"] <= 1.0  # rule scores in [-1, 1], minus the missing-EOS penalty
     assert os.path.exists(tmp_path / "model" / "value_model" / "config.json")

@@ -46,7 +46,7 @@ import signal
 import socket
 import sys
 import time
-from collections import defaultdict
+from collections import Counter, defaultdict
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Optional
@@ -155,6 +155,9 @@ class Args:
     """PPO updates between held-out evaluations (also run before the first and after the last update)."""
     eval_prompts: int = 32
     """Held-out prompts scored at each evaluation (a fixed prefix of the held-out split, sampled with a fixed seed)."""
+    eval_reward_fn: Optional[str] = None
+    """A judge PPO never optimises, `module:function` as --reward_fn (e.g. imdb_gold_reward:sentiment): it scores
+    the held-out samples too (eval/gold_scores), to tell real gains from reward hacking. None: no second judge."""
     num_sample_generations: int = 8
     """(query, response, score) rows written to tensorboard per evaluation."""
     seed: int = 1
@@ -227,10 +230,11 @@ def position_ids_from_mask(attention_mask):
 
 
 @torch.no_grad()
-def evaluate(accelerator, models, reward_fn, tokenizer, eval_queries, args, stop_token_id):
+def evaluate(accelerator, models, reward_fns, tokenizer, eval_queries, args, stop_token_id):
     """Sample and score (`compute_scores`) the fixed held-out queries' responses with a fixed seed, `models` = (policy,
-    ref_policy, value_model); returns a few (query, response, score) rows and metrics over all processes: eval/kl as
-    objective/kl; eval/scores the bare reward (objective/scores has the missing-EOS penalty and score clip)."""
+    ref_policy, value_model), `reward_fns` = (reward, judge or None); returns a few (query, response, score) rows and
+    metrics over all processes: eval/kl as objective/kl; eval/scores the bare reward (objective/scores has the
+    missing-EOS penalty and score clip); eval/gold_scores the judge's (--eval_reward_fn); `diversity`'s."""
     query_ids, query_mask = (t.to(accelerator.device) for t in eval_queries)
     # autocast: sampled and scored in the training forward's precision (accelerate autocasts only that), ratio 1 at lr 0
     with torch.random.fork_rng(devices=[accelerator.device] if accelerator.device.type == "cuda" else []), \
@@ -240,14 +244,29 @@ def evaluate(accelerator, models, reward_fn, tokenizer, eval_queries, args, stop
     response_mask = truncate_after_stop(responses, stop_token_id)
     with accelerator.autocast():
         out = rollout_forward_passes(models, query_ids, query_mask, responses, response_mask, args)
-    scores, (prompts, outputs), _ = compute_scores(accelerator, reward_fn, tokenizer, query_ids, query_mask, responses,
-                                                   response_mask)
+    judged = {}  # the reward's scores, then the judge's: the same samples
+    for name, reward_fn in zip(("eval/scores", "eval/gold_scores"), reward_fns[: 1 + bool(args.eval_reward_fn)]):
+        judged[name], (prompts, outputs), _ = compute_scores(accelerator, reward_fn, tokenizer, query_ids, query_mask,
+                                                             responses, response_mask)
     kl = ((out["logprobs"] - out["ref_logprobs"]) * response_mask).sum(1)
-    (score_mean, score_var), (kl_mean, _), (length_mean, _) = (global_masked_stats(accelerator, x, torch.ones_like(kl))
-                                                               for x in (scores, kl, response_mask.sum(1).float()))
-    metrics = {"eval/scores": score_mean.item(), "eval/scores_std": score_var.sqrt().item(),
-               "eval/kl": kl_mean.item(), "eval/response_length": length_mean.item()}
-    return metrics, list(zip(prompts, outputs, scores.tolist()))[: args.num_sample_generations]
+    metrics = {}
+    for name, value in {**judged, "eval/kl": kl, "eval/response_length": response_mask.sum(1).float()}.items():
+        mean, var = global_masked_stats(accelerator, value, torch.ones_like(kl))
+        metrics.update({name: mean.item(), f"{name}_std": var.sqrt().item()} if name in judged else {name: mean.item()})
+    metrics.update(diversity(gather_object(outputs)))
+    return metrics, list(zip(prompts, outputs, judged["eval/scores"].tolist()))[: args.num_sample_generations]
+
+
+def diversity(responses):
+    """How varied the held-out responses (all processes') are, over lower-cased words split at whitespace:
+    eval/distinct_1 and eval/distinct_2, distinct word n-grams / all n-grams (Li et al. 2016, "A Diversity-Promoting
+    Objective Function for Neural Conversation Models"), 1 when nothing repeats; eval/top_trigram_share, the most
+    frequent word 3-gram's share of all 3-grams: a policy that ends every response with one stock phrase raises it."""
+    words = [response.lower().split() for response in responses]
+    counts = [Counter(tuple(w[i : i + n]) for w in words for i in range(len(w) - n + 1)) for n in (1, 2, 3)]
+    return {"eval/distinct_1": len(counts[0]) / max(counts[0].total(), 1),
+            "eval/distinct_2": len(counts[1]) / max(counts[1].total(), 1),
+            "eval/top_trigram_share": max(counts[2].values(), default=0) / max(counts[2].total(), 1)}
 
 
 def prompt_indices(update, num_prompts, batch_size, seed, process_index, num_processes):
@@ -517,6 +536,7 @@ def main(args: Args):
                       "the value model (--value_model_path)": args.value_model_path,
                       "the dataset (--dataset_name)": args.dataset_name}, args.overwrite_output_dir)
     plugged_reward = import_reward_fn(args.reward_fn, args.reward_model_path)
+    judge = import_reward_fn(args.eval_reward_fn, None, "--eval_reward_fn") if args.eval_reward_fn else None
     if accelerator.device.type == "cpu" and tune_cpu_allocator():
         logger.info("CPU run: malloc keeps freed memory for reuse (tune_cpu_allocator)", main_process_only=True)
     set_seed(args.seed, device_specific=True)  # seed + process index: processes sample different rollouts
@@ -543,10 +563,12 @@ def main(args: Args):
                               config={k: v for k, v in vars(args).items() if v is not None})
 
     def log_eval(update):
-        metrics, rows = evaluate(accelerator, models, reward_fn, tokenizer, eval_queries, args, stop_token_id)
+        metrics, rows = evaluate(accelerator, models, (reward_fn, judge), tokenizer, eval_queries, args, stop_token_id)
         accelerator.log(metrics, step=update)
-        logger.info(f"update {update}: held-out score {metrics['eval/scores']:.3f} "
-                    f"(std {metrics['eval/scores_std']:.3f}), KL {metrics['eval/kl']:.3f}", main_process_only=True)
+        gold = f", gold {metrics['eval/gold_scores']:.3f}" if judge else ""
+        logger.info(f"update {update}: held-out score {metrics['eval/scores']:.3f} (std "
+                    f"{metrics['eval/scores_std']:.3f}), KL {metrics['eval/kl']:.3f}{gold}, distinct-2 "
+                    f"{metrics['eval/distinct_2']:.3f}", main_process_only=True)
         if accelerator.is_main_process:
             accelerator.get_tracker("tensorboard").tracker.add_text("eval/samples", sample_table(rows), update)
         return metrics
@@ -637,8 +659,9 @@ def main(args: Args):
                             "with --resume_from auto")
     progress.close()
     end_metrics = log_eval(args.num_updates)
-    logger.info(f"held-out score {start_metrics['eval/scores']:.3f} -> {end_metrics['eval/scores']:.3f}, "
-                f"KL {start_metrics['eval/kl']:.3f} -> {end_metrics['eval/kl']:.3f}", main_process_only=True)
+    logger.info(", ".join(f"{label} {start_metrics[name]:.3f} -> {end_metrics[name]:.3f}" for label, name in
+                          [("held-out score", "eval/scores"), ("KL", "eval/kl"), ("gold", "eval/gold_scores"),
+                           ("distinct-2", "eval/distinct_2")] if name in start_metrics), main_process_only=True)
 
     # --- save: policy (+ tokenizer) and value model, loadable with from_pretrained --------------------------------
     save_atomically(accelerator, model, tokenizer, args.output_dir, "ppo",
@@ -707,16 +730,17 @@ def check_sharding(accelerator):
                          "configs/deepspeed_zero2.yaml or configs/multi_gpu.yaml.")
 
 
-def import_reward_fn(reward_fn, reward_model_path):
-    """Check `--reward_fn` before any work, the same on every process. `module:function`: import and return it;
-    `model`: the reward model must have a trained scalar head (`check_score_head`); returns None. Raises ValueError.
+def import_reward_fn(reward_fn, reward_model_path, flag="--reward_fn"):
+    """Check `flag` (--reward_fn or --eval_reward_fn) before any work, the same on every process. `module:function`:
+    import and return it; `model` (--reward_fn only): the reward model must have a trained scalar head
+    (`check_score_head`); returns None. Raises ValueError.
 
     The contract: `reward_fn(samples, prompts, outputs, **kwargs) -> list[float]`, one score per sample, with
     samples[i] == prompts[i] + outputs[i] (special tokens such as EOS are not in the text); `kwargs` holds
     `query_responses` and `attention_mask`, the same samples as the policy's token ids, (N, Q+T) long. It is called
     under the run's autocast (`--mixed_precision`), with the folder the script was started in importable.
     """
-    if reward_fn == "model":
+    if reward_fn == "model" and flag == "--reward_fn":
         return check_score_head(reward_model_path, "--reward_model_path")
     module_name, _, function_name = reward_fn.partition(":")
     if os.getcwd() not in sys.path:  # `python path/to/ppo.py` puts the script's folder there, not the working one
@@ -724,10 +748,11 @@ def import_reward_fn(reward_fn, reward_model_path):
     try:
         function = getattr(importlib.import_module(module_name), function_name or "<missing>")
     except Exception as error:  # ImportError, AttributeError, or the module's own SyntaxError and the like
-        raise ValueError(f"--reward_fn {reward_fn!r} cannot be loaded ({type(error).__name__}: {error}); use `model` "
-                         "or module:function of an importable module.") from error
+        use = "`model` or module:function" if flag == "--reward_fn" else "module:function"
+        raise ValueError(f"{flag} {reward_fn!r} cannot be loaded ({type(error).__name__}: {error}); use {use} of an "
+                         "importable module.") from error
     if not callable(function):
-        raise ValueError(f"--reward_fn {reward_fn!r} is a {type(function).__name__}, not a function.")
+        raise ValueError(f"{flag} {reward_fn!r} is a {type(function).__name__}, not a function.")
     return function
 
 

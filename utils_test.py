@@ -611,7 +611,7 @@ SCALE_OUT = {"check_sharding", "load_prompts", "load_models", "evaluate", "rollo
 
 
 def test_helper_copies_agree():
-    scripts = [p for p in ["sft.py", "reward.py", "ppo.py", "ppo_multinode.py"]
+    scripts = [p for p in ["sft.py", "reward.py", "ppo.py", "ppo_multinode.py", "imdb_gold_reward.py"]
                if os.path.exists(os.path.join(HERE, p))]
     sources = {p: function_sources(os.path.join(HERE, p)) for p in scripts}
     shared = 0
@@ -753,7 +753,7 @@ def tiny_chain(tiny_model_dir, tmp_path_factory):
                                 output_dir=str(out / "ppo"), total_episodes=16, batch_size=8, num_mini_batches=2,
                                 gradient_accumulation_steps=2, ppo_epochs=2, query_length=12, response_length=8,
                                 eval_prompts=8, eval_every=1, log_dir=logs, run_name="ppo",
-                                local_rollout_forward_batch_size=4))
+                                local_rollout_forward_batch_size=4, eval_reward_fn="imdb_rule_reward:positive_words"))
     return out, results
 
 
@@ -773,6 +773,10 @@ def test_tiny_chain_outputs_load_with_from_pretrained(tiny_chain):
         for name in ("objective/kl", "objective/scores", "ppo/policy/approxkl_avg", "ppo/policy/clipfrac_avg",
                      "ppo/loss/policy_avg", "ppo/loss/value_avg", "ppo/val/clipfrac_avg", "time/generation"):
             assert name in metrics and metrics[name] == metrics[name]  # present and not NaN
+    for metrics in (results["start"], results["end"]):  # held-out: the judge (--eval_reward_fn) and diversity
+        assert -1 <= metrics["eval/gold_scores"] <= 1 and metrics["eval/gold_scores_std"] >= 0  # the rule's range
+        assert 0 < metrics["eval/distinct_1"] <= 1 and 0 < metrics["eval/distinct_2"] <= 1
+        assert 0 < metrics["eval/top_trigram_share"] <= 1
     assert os.listdir(out / "tb" / "ppo")  # tensorboard events written
 
 

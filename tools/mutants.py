@@ -218,6 +218,18 @@ MUTANTS = [
            [("        return FullyShardedDataParallel.summon_full_params(model, recurse=False, writeback=False)",
              "        return contextlib.nullcontext()")],
            M + "test_fsdp_generation_in_step_on_cpu"),
+    # --- the held-out judge and diversity (README, "What PPO bought") -------------------------------------------
+    Mutant("judge-is-the-reward", "ppo_multinode.py", "--eval_reward_fn ignored: eval/gold_scores is the reward again",
+           [('reward_fns[: 1 + bool(args.eval_reward_fn)]', '(reward_fns[0],) * (1 + bool(args.eval_reward_fn))')],
+           M + "test_plugged_in_reward_function"),
+    Mutant("distinct-over-responses", "ppo.py", "distinct-n divided by the responses, not by the n-grams",
+           [('"eval/distinct_1": len(counts[0]) / max(counts[0].total(), 1)',
+             '"eval/distinct_1": len(counts[0]) / max(len(words), 1)')],
+           "gold_test.py::test_diversity_by_hand[ppo]", fast=True),
+    Mutant("judge-reads-the-prompt", "imdb_gold_reward.py", "the gold judge scores prompt + response, not the response",
+           [("    return log_odds(JUDGE, list(outputs)).tolist()",
+             "    return log_odds(JUDGE, list(samples)).tolist()")],
+           "gold_test.py::test_the_judge_learns_sentiment_and_reports_held_out_accuracy"),
     # --- several processes: one reward call, statistics over all samples --------------------------------------------
     Mutant("scores-scattered-wrong", "ppo_multinode.py", "every process receives the first process's scores",
            [("per_process[rank], offset = scores[offset : offset + len(part[0])], offset + len(part[0])",
