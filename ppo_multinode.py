@@ -171,8 +171,8 @@ class Args:
     eval_prompts: int = 32
     """Held-out prompts scored at each evaluation (a fixed prefix of the held-out split, sampled with a fixed seed)."""
     eval_reward_fn: Optional[str] = None
-    """A judge PPO never optimises, `module:function` as --reward_fn (e.g. imdb_gold_reward:sentiment): it scores
-    the held-out samples too (eval/gold_scores), to tell real gains from reward hacking. None: no second judge."""
+    """A judge PPO never optimises, `module:function` (the --reward_fn interface; not `model`), e.g.
+    imdb_gold_reward:sentiment: an independent second reading of the held-out samples (eval/gold_scores). None: none."""
     num_sample_generations: int = 8
     """(query, response, score) rows written to tensorboard per evaluation."""
     seed: int = 1
@@ -279,10 +279,11 @@ def evaluate(accelerator, models, reward_fns, tokenizer, eval_queries, args, sto
     response_mask = truncate_after_stop(responses, stop_token_id)
     with accelerator.autocast():
         out = rollout_forward_passes(models, query_ids, query_mask, responses, response_mask, args)
-    judged = {}  # the reward's scores, then the judge's: the same samples
-    for name, reward_fn in zip(("eval/scores", "eval/gold_scores"), reward_fns[: 1 + bool(args.eval_reward_fn)]):
-        judged[name], (prompts, outputs), _ = compute_scores(accelerator, reward_fn, tokenizer, query_ids, query_mask,
-                                                             responses, response_mask, rng_devices)
+    judged = {}  # the reward's scores, then the judge's, of the same samples; torch's RNG as if neither had run
+    with torch.random.fork_rng(devices=[accelerator.device] if accelerator.device.type == "cuda" else []):
+        for name, fn in zip(("eval/scores", "eval/gold_scores"), reward_fns[: 1 + bool(args.eval_reward_fn)]):
+            judged[name], (prompts, outputs), _ = compute_scores(accelerator, fn, tokenizer, query_ids, query_mask,
+                                                                 responses, response_mask, rng_devices)
     kl = ((out["logprobs"] - out["ref_logprobs"]) * response_mask).sum(1)
     metrics = {}
     for name, value in {**judged, "eval/kl": kl, "eval/response_length": response_mask.sum(1).float()}.items():
@@ -294,9 +295,10 @@ def evaluate(accelerator, models, reward_fns, tokenizer, eval_queries, args, sto
 
 def diversity(responses):
     """How varied the held-out responses (all processes') are, over lower-cased words split at whitespace:
-    eval/distinct_1 and eval/distinct_2, distinct word n-grams / all n-grams (Li et al. 2016, "A Diversity-Promoting
-    Objective Function for Neural Conversation Models"), 1 when nothing repeats; eval/top_trigram_share, the most
-    frequent word 3-gram's share of all 3-grams: a policy that ends every response with one stock phrase raises it."""
+    eval/distinct_1 and eval/distinct_2, distinct word n-grams / all n-grams (1 when nothing repeats, 0 when there
+    are none; Li et al. 2016, "A Diversity-Promoting Objective Function for Neural Conversation Models", divide by the
+    generated tokens instead); eval/top_trigram_share, the most frequent word 3-gram's share of all 3-grams: a policy
+    that ends every response with one stock phrase raises it."""
     words = [response.lower().split() for response in responses]
     counts = [Counter(tuple(w[i : i + n]) for w in words for i in range(len(w) - n + 1)) for n in (1, 2, 3)]
     return {"eval/distinct_1": len(counts[0]) / max(counts[0].total(), 1),

@@ -8,12 +8,14 @@ the shape to look for: the proxy keeps rising with KL, the gold score rises, pea
     python docs/overoptimization.py --kl_coefs 0.02 0.2 --seeds 1 -- --total_episodes 960   # after --: ppo.py's flags
 
 Each run is `python ppo.py --kl_coef K --seed S --eval_reward_fn <judge> --eval_every <eval_every>` with its own
-output folder and tensorboard run under `--out_dir`, plus the flags after `--`. Every held-out evaluation (the same 32
-prompts, the same sampling seed) is one point: eval/kl (nats per response), eval/scores (the proxy), eval/gold_scores
-(the judge), eval/distinct_2. The script writes `<out_dir>/points.json`, prints a markdown table (per kl_coef, the
-final evaluation's numbers as mean and half the range over seeds, and the evaluation where the judge scored highest)
-and, when matplotlib is installed, draws both scores against KL (`--picture`). A run whose output folder holds its
-final model is read, not rerun: after an interruption, run the same command again.
+output folder and tensorboard run under `--out_dir`, plus the flags after `--` (ppo.py runs in the repository's
+folder: relative paths among them are read from there). Every held-out evaluation (the same 32 prompts, the same
+sampling seed) is one point: eval/kl (nats per response), eval/scores (the proxy), eval/gold_scores (the judge),
+eval/distinct_2. The script writes `<out_dir>/points.json`, prints a markdown table (per kl_coef, the final
+evaluation's numbers as mean and half the range over seeds, and the evaluation where the judge scored highest) and,
+when matplotlib is installed, draws both scores against KL (`--picture`). A run whose output folder holds its final
+model is read, not rerun, and an unfinished one starts again: after an interruption, run the same command again (with
+other flags it stops: use another --out_dir).
 """
 
 import argparse
@@ -44,19 +46,28 @@ def parse_args(argv):
 
 
 def run_ppo(args, ppo_flags, kl_coef, seed):
-    """Run (or find finished) one PPO run; returns its folder name. Raises RuntimeError if ppo.py fails."""
+    """Run (or find finished) one PPO run; returns its folder name. Raises RuntimeError if ppo.py fails, or if a
+    finished run of that name was made with other flags."""
     name = f"kl{kl_coef:g}_seed{seed}"
     output_dir = os.path.join(args.out_dir, name)
     log_dir = os.path.join(args.out_dir, "tensorboard")
-    if os.path.exists(os.path.join(output_dir, "rlhf_output.json")):  # ppo.py's final save: this run is done
-        print(f"{name}: finished earlier, read from {log_dir}/{name}", flush=True)
-        return name
-    unfinished = os.path.join(log_dir, name)
-    if os.path.isdir(unfinished) and all(f.startswith("events.out.tfevents") for f in os.listdir(unfinished)):
-        shutil.rmtree(unfinished)  # an interrupted run's tensorboard log: it is run again from the start
     command = [sys.executable, os.path.join(HERE, "ppo.py"), "--kl_coef", str(kl_coef), "--seed", str(seed),
                "--eval_reward_fn", args.judge, "--eval_every", str(args.eval_every), "--output_dir", output_dir,
                "--log_dir", log_dir, "--run_name", name, *ppo_flags]
+    record = os.path.join(args.out_dir, f"{name}.command.json")  # written before the run starts: this script's
+    if os.path.exists(record):
+        with open(record) as f:
+            earlier = json.load(f)
+        if earlier[1:] != command[1:]:
+            raise RuntimeError(f"{name} in {args.out_dir} was started with other flags ({' '.join(earlier[1:])}); "
+                               "use another --out_dir")
+        if os.path.exists(os.path.join(output_dir, "rlhf_output.json")):  # ppo.py's final save: this run is done
+            print(f"{name}: finished earlier, read from {log_dir}/{name}", flush=True)
+            return name
+        shutil.rmtree(os.path.join(log_dir, name), ignore_errors=True)  # its interrupted log: it starts again
+    os.makedirs(args.out_dir, exist_ok=True)
+    with open(record, "w") as f:
+        json.dump(command, f)
     print(f"{name}: {' '.join(command[1:])}", flush=True)
     start = time.perf_counter()
     proc = subprocess.run(command, cwd=HERE)
@@ -127,6 +138,7 @@ def draw(points, kl_coefs, seeds, path):
 
 def main(argv):
     args, ppo_flags = parse_args(argv)
+    args.out_dir = os.path.abspath(args.out_dir)  # ppo.py runs in the repository's folder, this script anywhere
     start = time.perf_counter()
     log_dir = os.path.join(args.out_dir, "tensorboard")
     points = {}
