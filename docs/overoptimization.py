@@ -96,6 +96,12 @@ def spread(values):
     return f"{mean:.3f} ± {(max(values) - min(values)) / 2:.3f}"
 
 
+def seed_means(runs):
+    """The runs' (one per seed) evaluations averaged over seeds, evaluation by evaluation: [{update, METRICS...}]."""
+    return [{"update": runs[0][i]["update"], **{tag: sum(run[i][tag] for run in runs) / len(runs) for tag in METRICS}}
+            for i in range(min(len(run) for run in runs))]
+
+
 def table(points, kl_coefs, seeds):
     """Markdown: per kl_coef, the final evaluation over seeds; the evaluation (mean over seeds) where gold peaked."""
     lines = ["| kl_coef | final KL (nats) | final proxy score | final gold score | final distinct-2 | gold's best "
@@ -103,10 +109,7 @@ def table(points, kl_coefs, seeds):
     for kl_coef in kl_coefs:
         runs = [points[f"kl{kl_coef:g}_seed{seed}"] for seed in seeds]
         finals = [run[-1] for run in runs]
-        means = [{"update": runs[0][i]["update"],
-                  **{tag: sum(run[i][tag] for run in runs) / len(runs) for tag in METRICS}}
-                 for i in range(min(len(run) for run in runs))]
-        best = max(means, key=lambda point: point["eval/gold_scores"])
+        best = max(seed_means(runs), key=lambda point: point["eval/gold_scores"])
         lines.append(f"| {kl_coef:g} | " + " | ".join(spread([f[tag] for f in finals]) for tag in METRICS)
                      + f" | {best['update']}, {best['eval/kl']:.2f}, {best['eval/gold_scores']:.3f} |")
     return "\n".join(lines)
@@ -121,11 +124,10 @@ def draw(points, kl_coefs, seeds, path):
 
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.8), sharex=True)
     for kl_coef in kl_coefs:
-        runs = [points[f"kl{kl_coef:g}_seed{seed}"] for seed in seeds]
-        n = min(len(run) for run in runs)
-        mean = {tag: [sum(run[i][tag] for run in runs) / len(runs) for i in range(n)] for tag in METRICS}
+        means = seed_means([points[f"kl{kl_coef:g}_seed{seed}"] for seed in seeds])
         for ax, tag in zip(axes, ("eval/scores", "eval/gold_scores")):
-            ax.plot(mean["eval/kl"], mean[tag], "o-", markersize=4, label=f"kl_coef {kl_coef:g}")
+            ax.plot([m["eval/kl"] for m in means], [m[tag] for m in means], "o-", markersize=4,
+                    label=f"kl_coef {kl_coef:g}")
     for ax, title in zip(axes, ("proxy: reward model score (what PPO maximises)", "gold: the judge's log-odds")):
         ax.set_title(title, fontsize=10)
         ax.set_xlabel("KL to the SFT policy (nats per response, held out)")
