@@ -4,7 +4,7 @@ bought"). Gao et al. 2022 ("Scaling Laws for Reward Model Overoptimization") and
 the shape to look for: the proxy keeps rising with KL, the gold score rises, peaks and falls.
 
     python imdb_gold_reward.py                 # the judge, once
-    python docs/overoptimization.py            # kl_coef 0.01 0.03 0.1 0.3 x seeds 1 2, each the default PPO stage
+    python docs/overoptimization.py            # kl_coef 0.05 0.15 0.5 1.5 x seeds 1 2, each the default PPO stage
     python docs/overoptimization.py --kl_coefs 0.02 0.2 --seeds 1 -- --total_episodes 960   # after --: ppo.py's flags
 
 Each run is `python ppo.py --kl_coef K --seed S --eval_reward_fn <judge> --eval_every <eval_every>` with its own
@@ -34,8 +34,8 @@ def parse_args(argv):
     """`(args, ppo_flags)`: this script's flags, and everything after `--`, passed to every ppo.py run."""
     own, ppo_flags = (argv[: argv.index("--")], argv[argv.index("--") + 1 :]) if "--" in argv else (argv, [])
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--kl_coefs", type=float, nargs="+", default=[0.01, 0.03, 0.1, 0.3],
-                        help="the --kl_coef of each run (default 0.05 of ppo.py lies between 0.03 and 0.1)")
+    parser.add_argument("--kl_coefs", type=float, nargs="+", default=[0.05, 0.15, 0.5, 1.5],
+                        help="the --kl_coef of each run (0.05 is ppo.py's default; the others about x3 apart)")
     parser.add_argument("--seeds", type=int, nargs="+", default=[1, 2], help="the --seed of each run")
     parser.add_argument("--eval_every", type=int, default=3, help="updates between held-out evaluations")
     parser.add_argument("--judge", default="imdb_gold_reward:sentiment", help="--eval_reward_fn of every run")
@@ -116,19 +116,20 @@ def table(points, kl_coefs, seeds):
 
 
 def draw(points, kl_coefs, seeds, path):
-    """Proxy and gold score against KL, one line per kl_coef (mean over seeds at each evaluation)."""
+    """Proxy score, gold score and distinct-2 against KL, one line per kl_coef (mean over seeds at each evaluation)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(10, 3.8), sharex=True)
+    fig, axes = plt.subplots(1, 3, figsize=(14, 3.8), sharex=True)
     for kl_coef in kl_coefs:
         means = seed_means([points[f"kl{kl_coef:g}_seed{seed}"] for seed in seeds])
-        for ax, tag in zip(axes, ("eval/scores", "eval/gold_scores")):
+        for ax, tag in zip(axes, ("eval/scores", "eval/gold_scores", "eval/distinct_2")):
             ax.plot([m["eval/kl"] for m in means], [m[tag] for m in means], "o-", markersize=4,
                     label=f"kl_coef {kl_coef:g}")
-    for ax, title in zip(axes, ("proxy: reward model score (what PPO maximises)", "gold: the judge's log-odds")):
+    for ax, title in zip(axes, ("proxy: reward model score (what PPO maximises)", "gold: the judge's log-odds",
+                                "distinct-2: distinct / all word pairs")):
         ax.set_title(title, fontsize=10)
         ax.set_xlabel("KL to the SFT policy (nats per response, held out)")
         ax.grid(alpha=0.3)
