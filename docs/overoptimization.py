@@ -37,7 +37,8 @@ def parse_args(argv):
     parser.add_argument("--kl_coefs", type=float, nargs="+", default=[0.05, 0.15, 0.5, 1.5],
                         help="the --kl_coef of each run (0.05 is ppo.py's default; the others about x3 apart)")
     parser.add_argument("--seeds", type=int, nargs="+", default=[1, 2], help="the --seed of each run")
-    parser.add_argument("--eval_every", type=int, default=3, help="updates between held-out evaluations")
+    parser.add_argument("--eval_every", type=int, default=5,
+                        help="updates between held-out evaluations (5, ppo.py's: kl_coef 0.05 seed 1 is its default run)")
     parser.add_argument("--judge", default="imdb_gold_reward:sentiment", help="--eval_reward_fn of every run")
     parser.add_argument("--out_dir", default="runs/overoptimization", help="runs, logs and points.json go here")
     parser.add_argument("--picture", default=os.path.join(HERE, "docs", "overoptimization.png"),
