@@ -445,7 +445,9 @@ def bad_inputs(model_dir, rm_dir, tmp_path):
         ("reward_fn import", multinode + ["--reward_fn", "no_such_module:score"],
          "--reward_fn 'no_such_module:score' cannot be loaded"),
         ("reward_fn type", multinode + ["--reward_fn", "fault_test:text_reward"],
-         "the reward function returned a str score"),
+         "the reward function fault_test:text_reward returned a str score"),
+        ("eval_reward_fn type", multinode + ["--eval_reward_fn", "fault_test:text_reward"],
+         "the reward function fault_test:text_reward returned a str score"),
         ("ppo.py reward_fn not a function", ppo + ["--reward_fn", "imdb_rule_reward:POSITIVE_WORDS"],
          "--reward_fn 'imdb_rule_reward:POSITIVE_WORDS' is a frozenset, not a function"),
         ("value model of another tokenizer", ppo + ["--value_model_path", other_tokens],
@@ -454,7 +456,9 @@ def bad_inputs(model_dir, rm_dir, tmp_path):
         ("ppo.py reward_fn import", ppo + ["--reward_fn", "no_such_module:score"],
          "--reward_fn 'no_such_module:score' cannot be loaded"),
         ("ppo.py reward_fn type", ppo + ["--reward_fn", "fault_test:text_reward"],
-         "the reward function returned a str score"),
+         "the reward function fault_test:text_reward returned a str score"),
+        ("ppo.py eval_reward_fn type", ppo + ["--eval_reward_fn", "fault_test:text_reward"],
+         "the reward function fault_test:text_reward returned a str score"),
     ]
 
 

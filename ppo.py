@@ -347,7 +347,7 @@ def compute_scores(accelerator, reward_fn, tokenizer, query_ids, query_mask, res
                            query_responses=torch.cat([query_ids, responses], 1),
                            attention_mask=torch.cat([query_mask, response_mask], 1))
     stats = {"time/reward_call": time.perf_counter() - start, "reward/batch_size": len(prompts)}
-    problem = agree_on_error(accelerator, reward_problem(scores, len(prompts)))
+    problem = agree_on_error(accelerator, reward_problem(scores, len(prompts), reward_fn))
     if problem is not None:
         raise ValueError(problem)
     scores = torch.tensor([float(score) for score in scores], dtype=torch.float32, device=accelerator.device)
@@ -915,19 +915,20 @@ def get_reward(model, input_ids, attention_mask):
     return scores + getattr(model.config, "reward_bias", 0.0)
 
 
-def reward_problem(scores, n):
-    """What is wrong with a reward function's return value for `n` samples (one line), or None: it must be a
-    list (or tuple, or 1-D tensor/array) of `n` real numbers."""
+def reward_problem(scores, n, reward_fn):
+    """What is wrong with `reward_fn`'s return value for `n` samples (one line, naming the function as
+    module:function), or None: it must be a list (or tuple, or 1-D tensor/array) of `n` real numbers."""
+    name = f"the reward function {getattr(reward_fn, '__module__', '?')}:{getattr(reward_fn, '__name__', '?')}"
     if hasattr(scores, "tolist") and not isinstance(scores, (list, tuple)):
         scores = scores.tolist()
     if not isinstance(scores, (list, tuple)):
-        return f"the reward function returned a {type(scores).__name__}, not a list of {n} floats."
+        return f"{name} returned a {type(scores).__name__}, not a list of {n} floats."
     if len(scores) != n:
-        return f"the reward function returned {len(scores)} scores for {n} samples."
+        return f"{name} returned {len(scores)} scores for {n} samples."
     bad = next((score for score in scores if isinstance(score, (str, bytes, bool)) or not hasattr(score, "__float__")),
                None)
     if bad is not None:
-        return f"the reward function returned a {type(bad).__name__} score ({str(bad)[:40]!r}), not a float."
+        return f"{name} returned a {type(bad).__name__} score ({str(bad)[:40]!r}), not a float."
     return None
 
 

@@ -4,7 +4,8 @@ bought"). Gao et al. 2022 ("Scaling Laws for Reward Model Overoptimization") and
 the shape to look for: the proxy keeps rising with KL, the gold score rises, peaks and falls.
 
     python imdb_gold_reward.py                 # the judge, once
-    python docs/overoptimization.py            # kl_coef 0.05 0.15 0.5 1.5 x seeds 1 2, each the default PPO stage
+    python docs/overoptimization.py            # kl_coef 0.05 0.15 0.5 1.5 x seeds 1 2, each the default PPO stage:
+                                               # 98 min on 2 cores of an AMD EPYC without AMX (README)
     python docs/overoptimization.py --kl_coefs 0.02 0.2 --seeds 1 -- --total_episodes 960   # after --: ppo.py's flags
 
 Each run is `python ppo.py --kl_coef K --seed S --eval_reward_fn <judge> --eval_every <eval_every>` with its own
