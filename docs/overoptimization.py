@@ -39,7 +39,8 @@ def parse_args(argv):
                         help="the --kl_coef of each run (0.05 is ppo.py's default; the others about x3 apart)")
     parser.add_argument("--seeds", type=int, nargs="+", default=[1, 2], help="the --seed of each run")
     parser.add_argument("--eval_every", type=int, default=5,
-                        help="updates between held-out evaluations (5, ppo.py's: kl_coef 0.05 seed 1 is its default run)")
+                        help="updates between held-out evaluations (5 is ppo.py's own, so that the run at kl_coef 0.05 "
+                             "and seed 1 is exactly ppo.py's default run)")
     parser.add_argument("--judge", default="imdb_gold_reward:sentiment", help="--eval_reward_fn of every run")
     parser.add_argument("--out_dir", default="runs/overoptimization", help="runs, logs and points.json go here")
     parser.add_argument("--picture", default=os.path.join(HERE, "docs", "overoptimization.png"),
