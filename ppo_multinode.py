@@ -165,6 +165,24 @@ class Args:
     max_approxkl: Optional[float] = 1.0
     """Stop the run (nothing of that update saved) when an update's mean approxkl (k2) exceeds this, nats per token:
     it catches a blow-up that stays finite (far too high a learning rate), which no NaN check sees. None: no check."""
+    # --- memory: LoRA, gradient checkpointing (README, "Memory") ---
+    lora_r: int = 0
+    """LoRA rank: > 0 freezes the model and trains rank-r adapters on `lora_target_modules`, the value head whole
+    (`adapt_for_training`); 0, the default: full fine-tuning (SmolLM2-135M fits anywhere). LoRA's best learning rate
+    is about 10x full fine-tuning's (Schulman et al. 2025, "LoRA Without Regret")."""
+    lora_alpha: float = 16.0
+    """LoRA scale: an adapter adds (lora_alpha / lora_r) * B A to its layer's weight; Hu et al. 2021 set alpha to the
+    first rank they tried and kept it when changing the rank (16: README's LoRA runs use rank 16)."""
+    lora_target_modules: str = "all-linear"
+    """Layers that get adapters: `all-linear` (peft: every linear layer but the output head, as QLoRA does) or
+    comma-separated names such as `q_proj,v_proj` (the LoRA paper's choice)."""
+    gradient_checkpointing: bool = False
+    """Recompute each layer's activations in the backward pass instead of keeping them: activation memory of about
+    one layer instead of all, for about a third more compute; the same gradients."""
+    lora_share_backbones: bool = True
+    """With --lora_r: the reference is the policy with its adapter off, and the reward model the value model with its
+    adapter off when the value model starts from it, so the four roles need two backbones; False loads them apart.
+    Under ZeRO-3 and FSDP the reward model is loaded apart regardless: the main process scores alone."""
     # --- evaluation, logging, saving ---
     eval_every: int = 5
     """PPO updates between held-out evaluations (also run before the first and after the last update)."""
@@ -365,7 +383,8 @@ def rollout_forward_passes(models, query_ids, query_mask, responses, response_ma
         chunk = slice(i, i + args.local_rollout_forward_batch_size)
         qr, am = query_responses[chunk], attention_mask[chunk]
         out["logprobs"].append(response_logprobs(policy, qr, am, query_ids.shape[1], args.temperature)[0])
-        out["ref_logprobs"].append(response_logprobs(ref_policy, qr, am, query_ids.shape[1], args.temperature)[0])
+        with adapters_off(ref_policy):  # under LoRA the reference is the policy, adapter off (`load_models`)
+            out["ref_logprobs"].append(response_logprobs(ref_policy, qr, am, query_ids.shape[1], args.temperature)[0])
         out["values"].append(token_values(value_model, qr, am, query_ids.shape[1]))
     return {k: torch.cat(v) for k, v in out.items()}
 
@@ -609,7 +628,8 @@ def main(args: Args):
     policy, ref_policy, value_model, reward_fn, rng_devices = load_models(args, plugged_reward, tokenizer, accelerator)
     model = PolicyAndValue(policy, value_model)
     # fused=True: AdamW's arithmetic in one op over all parameters (torch's CPU default loops over them in Python).
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, eps=1e-5, weight_decay=0.0, fused=True)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=args.learning_rate, eps=1e-5,
+                                  weight_decay=0.0, fused=True)
     # Linear anneal to 0 over the run's optimizer steps, stepped by hand (a prepared one would step once per process).
     total_steps = args.num_updates * args.ppo_epochs * args.num_mini_batches
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 - step / total_steps)
@@ -742,6 +762,7 @@ def main(args: Args):
 # Settings that do not change what is trained: a checkpoint may be resumed with other values for them.
 NOT_TRAINING_CONFIG = {"resume_from", "save_every", "save_total_limit", "checkpoint_dir", "run_name", "log_dir",
                        "output_dir", "overwrite_output_dir", "dist_timeout_s", "eval_every", "num_sample_generations",
+                       "gradient_checkpointing", "lora_share_backbones",  # memory only
                        "max_approxkl", "reward_batch_size", "reward_device"}
 
 
@@ -884,6 +905,11 @@ def load_models(args, plugged_reward, tokenizer, accelerator):
     policy's token ids and is the initial value model (as in the N+ details paper); else the value model is the SFT
     model with a scalar head drawn as reward.py draws it, from `seed` (the same on every process), unless
     `--value_model_path` names one. `reward_fn` is `plugged_reward` or the frozen reward model's (`make_model_reward`).
+    `--lora_r` (`adapt_for_training`): policy and value model get adapters, the value head trains whole; with
+    `--lora_share_backbones` the reference is the policy itself and, if the value model starts from the reward model,
+    so is the reward model the value model: `adapters_off` then gives the frozen role (as TRL's PPO did for the
+    reference). Four roles, two backbones in memory, and the same numbers as separate copies. Not the reward model
+    under ZeRO-3 and FSDP: the main process scores alone, and the value model is sharded over every process.
     """
     reward_tokenizer = load_tokenizer(args.reward_model_path) if args.reward_fn == "model" else None
     same_tokens = reward_tokenizer is not None and reward_tokenizer.get_vocab() == tokenizer.get_vocab()
@@ -895,23 +921,29 @@ def load_models(args, plugged_reward, tokenizer, accelerator):
         if not same_vocabulary or (has_score_head(config) and config.num_labels != 1):
             raise ValueError(f"--value_model_path {args.value_model_path!r}: a value model needs the policy's "
                              "tokenizer and one output (a scalar head, or a causal LM, which gets one).")
+    share = args.lora_r > 0 and args.lora_share_backbones
     with whole_model_loading(accelerator):
         policy = load_model(args.sft_model_path, AutoModelForCausalLM)
-        ref_policy = load_model(args.sft_model_path, AutoModelForCausalLM).requires_grad_(False).eval()
+        ref_policy = policy if share else load_model(args.sft_model_path, AutoModelForCausalLM).requires_grad_(False)
         value_model = load_model(value_model_path, AutoModelForSequenceClassification, num_labels=1)
     if not has_score_head(value_model.config):
         torch.nn.init.normal_(value_model.score.weight, std=1 / math.sqrt(value_model.score.in_features + 1),
                               generator=torch.Generator().manual_seed(args.seed))
-    logger.info(f"value model from {value_model_path}", main_process_only=True)
+    policy, value_model = adapt_for_training(policy, args), adapt_for_training(value_model, args, ["score"])
+    logger.info(f"value model from {value_model_path}" + (f", LoRA rank {args.lora_r}" if args.lora_r else ""),
+                main_process_only=True)
     reward_fn = plugged_reward if accelerator.is_main_process else None
     reward_device = torch.device(args.reward_device) if args.reward_device else accelerator.device
     rng_devices = [d for d in {accelerator.device, reward_device} if d.type == "cuda"]
     if args.reward_fn == "model" and accelerator.is_main_process:
-        # fork_rng: the run must not depend on which process loads it (missing weights would be drawn at random).
-        with torch.random.fork_rng(devices=rng_devices), whole_model_loading(accelerator):
-            reward_model = load_model(args.reward_model_path, AutoModelForSequenceClassification, num_labels=1)
-        reward_model = reward_model.requires_grad_(False).eval().to(reward_device)
-        logger.info(f"loaded reward model on {reward_device} (process {accelerator.process_index}): "
+        if share and value_model_path == args.reward_model_path and not check_sharding(accelerator):
+            reward_model, where = value_model, "the value model with its adapter off"
+        else:  # fork_rng: the run must not depend on which process loads it (missing weights are drawn at random)
+            with torch.random.fork_rng(devices=rng_devices), whole_model_loading(accelerator):
+                reward_model = load_model(args.reward_model_path, AutoModelForSequenceClassification, num_labels=1)
+            reward_model = reward_model.requires_grad_(False).eval().to(reward_device)
+            where = f"loaded on {reward_device}"
+        logger.info(f"reward model: {where} (process {accelerator.process_index}): "
                     + ("it scores the policy's token ids" if same_tokens else "it re-tokenizes the text with its "
                        "own tokenizer"), main_process_only=False)
         reward_fn = make_model_reward(reward_model, reward_tokenizer, same_tokens, args.reward_batch_size)
@@ -947,11 +979,11 @@ def make_model_reward(reward_model, reward_tokenizer, same_tokens, batch_size):
     reward.py formats a pair (prompt and output tokenized apart, no special tokens, its EOS last); for an encoder
     (BERT) with its [CLS] ... [SEP]. A sample too long for it loses its beginning, so that the response is kept.
     """
-    device = next(reward_model.parameters()).device
     reward_tokenizer.truncation_side = "left"
 
     @torch.no_grad()
     def reward_fn(samples, prompts, outputs, query_responses=None, attention_mask=None, **kwargs):
+        device = next(reward_model.parameters()).device  # read now: a shared value model is moved by `prepare`
         scores = []
         for i in range(0, len(samples), batch_size):
             if same_tokens:
@@ -966,10 +998,32 @@ def make_model_reward(reward_model, reward_tokenizer, same_tokens, batch_size):
                 batch = reward_tokenizer(samples[i : i + batch_size], padding=True, truncation=True,
                                          return_tensors="pt")
                 ids, mask = batch["input_ids"], batch["attention_mask"]
-            scores += reward_model_scores(reward_model, ids.to(device), mask.to(device)).tolist()
+            with adapters_off(reward_model):  # a value model sharing the backbone: adapter off, it is the RM
+                scores += reward_model_scores(reward_model, ids.to(device), mask.to(device)).tolist()
         return scores
 
     return reward_fn
+
+
+@contextlib.contextmanager
+def adapters_off(model):
+    """Context in which `model`'s LoRA adapters and trained head copies (`adapt_for_training`) are bypassed, so that
+    it computes exactly as the model they were added to: under `--lora_share_backbones` the policy is then the
+    reference (the SFT model) and the value model the reward model. No effect on a model without adapters. peft's
+    `enable_adapters` also clears the adapters' requires_grad, and gives it back on leaving."""
+    layers = []
+    if hasattr(model, "peft_config"):  # set by peft on the model it adds adapters to
+        from peft.tuners.tuners_utils import BaseTunerLayer
+        from peft.utils import ModulesToSaveWrapper
+
+        layers = [module for module in model.modules() if isinstance(module, (BaseTunerLayer, ModulesToSaveWrapper))]
+    for layer in layers:
+        layer.enable_adapters(False)
+    try:
+        yield
+    finally:
+        for layer in layers:
+            layer.enable_adapters(True)
 
 
 def reward_model_scores(model, input_ids, attention_mask):
@@ -1165,6 +1219,60 @@ def disable_dropout(config_or_model):
             elif "drop" in key.lower() and isinstance(value, float):
                 attributes[key] = 0.0
     return config_or_model
+
+
+def adapt_for_training(model, args, modules_to_save=None):
+    """The memory savers of `--lora_r` and `--gradient_checkpointing` applied to `model` in place; returns it, still
+    of its transformers class (generate, save_pretrained and the scripts' forward passes work as before).
+
+    LoRA (Hu et al. 2021, "LoRA: Low-Rank Adaptation of Large Language Models"; peft's `inject_adapter_in_model`):
+    each linear layer of `--lora_target_modules` computes W x + (lora_alpha / lora_r) * B A x, with A (r, in) drawn
+    at random from `--seed` (the same on every process) and B (out, r) zero, so the model starts exactly as it was.
+    W and everything else is frozen; `modules_to_save` (a score head) trains whole, as a copy beside the frozen
+    original. LoRA dropout is 0 for the reason dropout is off everywhere (`disable_dropout`). Gradient
+    checkpointing: each decoder layer's activations are recomputed in the backward pass instead of kept, the same
+    gradients for about one more forward pass; transformers does it only in training mode, so the model is put in
+    it (dropout is off: the outputs do not change). Raises ValueError for a negative rank or unknown target modules.
+    """
+    if args.gradient_checkpointing:
+        model.activation_checkpointing_enable()
+        model.train()
+    if args.lora_r < 0:
+        raise ValueError(f"--lora_r must be 0 (no LoRA) or a positive rank (got {args.lora_r}).")
+    if args.lora_r == 0:
+        return model
+    from peft import LoraConfig, inject_adapter_in_model
+
+    targets = args.lora_target_modules
+    config = LoraConfig(r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=0.0, modules_to_save=modules_to_save,
+                        target_modules=targets if targets == "all-linear" else targets.split(","))
+    with torch.random.fork_rng():
+        torch.manual_seed(args.seed)
+        return inject_adapter_in_model(config, model)
+
+
+def merge_lora(model, state_dict):
+    """`(merged, adapter)`: `state_dict` of `model`, a model with LoRA adapters (`adapt_for_training`), as the plain
+    model's, and the adapter alone in peft's format; `(state_dict, None)` for a model without adapters. In `merged`
+    each adapted weight is W + (lora_alpha / lora_r) * B A (computed in float32) under W's own name, and a trained
+    copy of a `modules_to_save` module replaces its original, so `from_pretrained` loads it as a plain model."""
+    scaling = {name: module.scaling["default"] for name, module in model.named_modules() if hasattr(module, "lora_A")}
+    if not scaling:
+        return state_dict, None
+    from peft import get_peft_model_state_dict
+
+    merged = {}
+    for key, value in state_dict.items():
+        if ".lora_" in key or ".original_module." in key:
+            continue
+        name = key.replace(".base_layer.", ".").replace(".modules_to_save.default.", ".")
+        module = key.rsplit(".base_layer.", 1)[0]
+        if key.endswith(".base_layer.weight") and module in scaling:
+            lora_a, lora_b = (state_dict[f"{module}.lora_{x}.default.weight"].float() for x in "AB")
+            value = (value.float() + scaling[module] * lora_b @ lora_a).to(value.dtype)
+        merged[name] = value
+    adapter = get_peft_model_state_dict(model, state_dict=state_dict)  # named as in a PeftModel's own file
+    return merged, {f"base_model.model.{key}": value for key, value in adapter.items()}
 
 
 def tune_cpu_allocator():
@@ -1552,7 +1660,8 @@ def save_atomically(accelerator, model, tokenizer, output_dir, stage, submodules
     new output exists whole (`prepare_run_dirs` puts a stranded `.old` back, and refuses siblings it did not
     write). `extra_config` entries are stored in the model's config.json. `submodules` maps subfolders ("" is
     `output_dir` itself) to attributes of `model` saved there instead of `model` (ppo.py saves
-    `{"": "policy", "value_model": "value_model"}`). Every process must call it; only the main process writes. An
+    `{"": "policy", "value_model": "value_model"}`). A model with LoRA adapters is saved merged (`merge_lora`), its
+    adapter beside it in `adapter/`. Every process must call it; only the main process writes. An
     OSError while writing removes the partial `.tmp`, keeps the old output and raises OSError with one line, on
     every process.
     """
@@ -1575,7 +1684,13 @@ def save_atomically(accelerator, model, tokenizer, output_dir, stage, submodules
             for folder, (part, part_state) in parts.items():
                 for key, value in extra_config.items():
                     setattr(part.config, key, value)
+                part_state, adapter = merge_lora(part, part_state)
                 part.save_pretrained(os.path.join(tmp, folder), state_dict=part_state)
+                if adapter is not None:  # and the adapter alone: peft's PeftModel.from_pretrained(base model, folder)
+                    from safetensors.torch import save_file
+
+                    part.peft_config["default"].save_pretrained(os.path.join(tmp, folder, "adapter"))
+                    save_file(adapter, os.path.join(tmp, folder, "adapter", "adapter_model.safetensors"))
             tokenizer.save_pretrained(tmp)
             if os.path.exists(output_dir):  # tagged first, so that a later run knows this `.old` as the save's own
                 open(os.path.join(output_dir, REPLACED_MARKER), "w").close()

@@ -105,6 +105,20 @@ class Args:
     """Stop with one error line, saving nothing of that step, once the training loss smoothed over ~10 steps is
     above this many times its lowest smoothed value and above its first step's (`watch_loss`): the run diverged.
     The default run's smoothed loss stays below its first value, within 1.02x its lowest (README). None: never."""
+    # --- memory: LoRA, gradient checkpointing (README, "Memory") ---
+    lora_r: int = 0
+    """LoRA rank: > 0 freezes the model and trains rank-r adapters on `lora_target_modules`
+    (`adapt_for_training`); 0, the default: full fine-tuning (SmolLM2-135M fits anywhere). LoRA's best learning rate
+    is about 10x full fine-tuning's (Schulman et al. 2025, "LoRA Without Regret")."""
+    lora_alpha: float = 16.0
+    """LoRA scale: an adapter adds (lora_alpha / lora_r) * B A to its layer's weight; Hu et al. 2021 set alpha to the
+    first rank they tried and kept it when changing the rank (16: README's LoRA runs use rank 16)."""
+    lora_target_modules: str = "all-linear"
+    """Layers that get adapters: `all-linear` (peft: every linear layer but the output head, as QLoRA does) or
+    comma-separated names such as `q_proj,v_proj` (the LoRA paper's choice)."""
+    gradient_checkpointing: bool = False
+    """Recompute each layer's activations in the backward pass instead of keeping them: activation memory of about
+    one layer instead of all, for about a third more compute; the same gradients."""
     # --- evaluation, logging, saving ---
     eval_every: int = 40
     """Optimizer steps between held-out evaluations (also run at the start and end)."""
@@ -320,8 +334,9 @@ def main(args: Args):
                                               batch_size=args.per_device_train_batch_size, collate_fn=collate)
 
     # --- 2. model, optimizer, schedule ------------------------------------------------------------------------------
-    model = load_model(args.model_name_or_path, AutoModelForCausalLM)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)
+    model = adapt_for_training(load_model(args.model_name_or_path, AutoModelForCausalLM), args)  # LoRA: adapters train
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=args.learning_rate,
+                                  weight_decay=args.weight_decay)
     scheduler = get_scheduler("linear", optimizer, num_warmup_steps=math.ceil(args.warmup_ratio * args.max_steps),
                               num_training_steps=args.max_steps)
     # The scheduler is stepped by hand once per optimizer step, so it is not prepared (accelerate would step it
@@ -559,6 +574,60 @@ def disable_dropout(config_or_model):
             elif "drop" in key.lower() and isinstance(value, float):
                 attributes[key] = 0.0
     return config_or_model
+
+
+def adapt_for_training(model, args, modules_to_save=None):
+    """The memory savers of `--lora_r` and `--gradient_checkpointing` applied to `model` in place; returns it, still
+    of its transformers class (generate, save_pretrained and the scripts' forward passes work as before).
+
+    LoRA (Hu et al. 2021, "LoRA: Low-Rank Adaptation of Large Language Models"; peft's `inject_adapter_in_model`):
+    each linear layer of `--lora_target_modules` computes W x + (lora_alpha / lora_r) * B A x, with A (r, in) drawn
+    at random from `--seed` (the same on every process) and B (out, r) zero, so the model starts exactly as it was.
+    W and everything else is frozen; `modules_to_save` (a score head) trains whole, as a copy beside the frozen
+    original. LoRA dropout is 0 for the reason dropout is off everywhere (`disable_dropout`). Gradient
+    checkpointing: each decoder layer's activations are recomputed in the backward pass instead of kept, the same
+    gradients for about one more forward pass; transformers does it only in training mode, so the model is put in
+    it (dropout is off: the outputs do not change). Raises ValueError for a negative rank or unknown target modules.
+    """
+    if args.gradient_checkpointing:
+        model.activation_checkpointing_enable()
+        model.train()
+    if args.lora_r < 0:
+        raise ValueError(f"--lora_r must be 0 (no LoRA) or a positive rank (got {args.lora_r}).")
+    if args.lora_r == 0:
+        return model
+    from peft import LoraConfig, inject_adapter_in_model
+
+    targets = args.lora_target_modules
+    config = LoraConfig(r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=0.0, modules_to_save=modules_to_save,
+                        target_modules=targets if targets == "all-linear" else targets.split(","))
+    with torch.random.fork_rng():
+        torch.manual_seed(args.seed)
+        return inject_adapter_in_model(config, model)
+
+
+def merge_lora(model, state_dict):
+    """`(merged, adapter)`: `state_dict` of `model`, a model with LoRA adapters (`adapt_for_training`), as the plain
+    model's, and the adapter alone in peft's format; `(state_dict, None)` for a model without adapters. In `merged`
+    each adapted weight is W + (lora_alpha / lora_r) * B A (computed in float32) under W's own name, and a trained
+    copy of a `modules_to_save` module replaces its original, so `from_pretrained` loads it as a plain model."""
+    scaling = {name: module.scaling["default"] for name, module in model.named_modules() if hasattr(module, "lora_A")}
+    if not scaling:
+        return state_dict, None
+    from peft import get_peft_model_state_dict
+
+    merged = {}
+    for key, value in state_dict.items():
+        if ".lora_" in key or ".original_module." in key:
+            continue
+        name = key.replace(".base_layer.", ".").replace(".modules_to_save.default.", ".")
+        module = key.rsplit(".base_layer.", 1)[0]
+        if key.endswith(".base_layer.weight") and module in scaling:
+            lora_a, lora_b = (state_dict[f"{module}.lora_{x}.default.weight"].float() for x in "AB")
+            value = (value.float() + scaling[module] * lora_b @ lora_a).to(value.dtype)
+        merged[name] = value
+    adapter = get_peft_model_state_dict(model, state_dict=state_dict)  # named as in a PeftModel's own file
+    return merged, {f"base_model.model.{key}": value for key, value in adapter.items()}
 
 
 def tune_cpu_allocator():
@@ -946,7 +1015,8 @@ def save_atomically(accelerator, model, tokenizer, output_dir, stage, submodules
     new output exists whole (`prepare_run_dirs` puts a stranded `.old` back, and refuses siblings it did not
     write). `extra_config` entries are stored in the model's config.json. `submodules` maps subfolders ("" is
     `output_dir` itself) to attributes of `model` saved there instead of `model` (ppo.py saves
-    `{"": "policy", "value_model": "value_model"}`). Every process must call it; only the main process writes. An
+    `{"": "policy", "value_model": "value_model"}`). A model with LoRA adapters is saved merged (`merge_lora`), its
+    adapter beside it in `adapter/`. Every process must call it; only the main process writes. An
     OSError while writing removes the partial `.tmp`, keeps the old output and raises OSError with one line, on
     every process.
     """
@@ -969,7 +1039,13 @@ def save_atomically(accelerator, model, tokenizer, output_dir, stage, submodules
             for folder, (part, part_state) in parts.items():
                 for key, value in extra_config.items():
                     setattr(part.config, key, value)
+                part_state, adapter = merge_lora(part, part_state)
                 part.save_pretrained(os.path.join(tmp, folder), state_dict=part_state)
+                if adapter is not None:  # and the adapter alone: peft's PeftModel.from_pretrained(base model, folder)
+                    from safetensors.torch import save_file
+
+                    part.peft_config["default"].save_pretrained(os.path.join(tmp, folder, "adapter"))
+                    save_file(adapter, os.path.join(tmp, folder, "adapter", "adapter_model.safetensors"))
             tokenizer.save_pretrained(tmp)
             if os.path.exists(output_dir):  # tagged first, so that a later run knows this `.old` as the save's own
                 open(os.path.join(output_dir, REPLACED_MARKER), "w").close()
