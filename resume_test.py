@@ -148,14 +148,18 @@ def stage_command(stage, model_dir, rm_dir, out, run_name, extra=()):
             "--per_device_train_batch_size", "4", "--eval_every", "100", "--eval_samples", "8", *common, *extra]
 
 
-@pytest.mark.parametrize("stage, precision", [("sft", "no"), ("reward", "no"), ("ppo", "no"), ("ppo", "bf16")])
+@pytest.mark.parametrize("stage, precision", [("sft", "no"), ("reward", "no"), ("ppo", "no"), ("ppo", "bf16"),
+                                              ("ppo_lora", "no")])
 def test_kill_and_resume_equals_uninterrupted(stage, precision, tiny_model_dir, tiny_rm_dir, tmp_path):  # noqa: F811
     """SIGKILLed after its step-3 checkpoint and resumed with `--resume_from latest`, a 6-step run ends as the
     uninterrupted one: the same weights, the same metrics at steps 4-6, and the same training state in the step-6
     checkpoints (optimizer, scheduler, random states: `assert_same_checkpoint_state`). And the resumed run did start
-    at step 4 (`assert_resumed_at`): a rerun from step 0 would end in the same place."""
+    at step 4 (`assert_resumed_at`): a rerun from step 0 would end in the same place. `ppo_lora`: ppo.py with LoRA
+    adapters on policy and value model, the reference and reward model sharing their backbones."""
     straight, killed = str(tmp_path / "straight"), str(tmp_path / "killed")
     flags = ["--mixed_precision", precision]
+    if stage == "ppo_lora":
+        stage, flags = "ppo", flags + ["--lora_r", "4", "--learning_rate", "1e-3"]
     run(stage_command(stage, tiny_model_dir, tiny_rm_dir, straight, "straight", ["--save_every", "3", *flags]))
     checkpoints = killed + "-checkpoints"
     command = stage_command(stage, tiny_model_dir, tiny_rm_dir, killed, "killed", ["--save_every", "3", *flags])
@@ -267,16 +271,19 @@ import ppo
 from accelerate import Accelerator
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 model_dir, rm_dir, out = sys.argv[2], sys.argv[3], sys.argv[4]
-accumulation, minibatches = int(sys.argv[5]), int(sys.argv[6])
+accumulation, minibatches, lora_r = int(sys.argv[5]), int(sys.argv[6]), int(sys.argv[7])
 
 
 def update(args):
     """One PPO update (`ppo_epochs`) of hand-made rollouts, the same for any number of processes."""
     accelerator = Accelerator(gradient_accumulation_steps=accumulation)
     args = ppo.derive_sizes(args, accelerator.num_processes)
-    model = ppo.PolicyAndValue(ppo.load_model(model_dir, AutoModelForCausalLM),
-                               ppo.load_model(rm_dir, AutoModelForSequenceClassification, num_labels=1))
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, eps=1e-5, weight_decay=0.0, fused=True)
+    model = ppo.PolicyAndValue(
+        ppo.adapt_for_training(ppo.load_model(model_dir, AutoModelForCausalLM), args),
+        ppo.adapt_for_training(ppo.load_model(rm_dir, AutoModelForSequenceClassification, num_labels=1), args,
+                               ["score"]))
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3, eps=1e-5,
+                                  weight_decay=0.0, fused=True)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
     model, optimizer = accelerator.prepare(model, optimizer)
     # The same global rollouts for any number of processes; process i takes rows [i*L, (i+1)*L).
@@ -309,24 +316,26 @@ def update(args):
 # Ends as the scripts do (`run_as_command`): exit status 0 once every process is done.
 ppo.run_as_command(update, ppo.Args(batch_size=8, num_mini_batches=minibatches,
                                     gradient_accumulation_steps=accumulation, ppo_epochs=2, query_length=5,
-                                    temperature=0.7, total_episodes=8))
+                                    temperature=0.7, total_episodes=8, lora_r=lora_r))
 '''
 
 
-@pytest.mark.parametrize("minibatches, layouts", [
-    (2, [(1, 2), (2, 1)]),  # the same microbatches, spread over 1 or 2 processes
+@pytest.mark.parametrize("minibatches, layouts, lora_r", [
+    (2, [(1, 2), (2, 1)], 0),  # the same microbatches, spread over 1 or 2 processes
     # One minibatch of all 8 rollouts: one microbatch, two, or one per process. The responses differ in length, so
     # only a loss normalised by the minibatch's token count (not a mean of microbatch means) gives the same step.
-    (1, [(1, 1), (1, 2), (2, 1), (2, 2)]),
+    (1, [(1, 1), (1, 2), (2, 1), (2, 2)], 0),
+    (2, [(1, 2), (2, 1)], 4),  # LoRA adapters (rank 4) on policy and value model: the same invariance
 ])
-def test_ppo_update_is_world_size_invariant(minibatches, layouts, tiny_model_dir, tiny_rm_dir, tmp_path):  # noqa: F811
+def test_ppo_update_is_world_size_invariant(minibatches, layouts, lora_r, tiny_model_dir, tiny_rm_dir,  # noqa: F811
+                                            tmp_path):
     script = tmp_path / "one_update.py"
     script.write_text(PPO_UPDATE_SCRIPT)
     results = []
     for processes, accumulation in layouts:
         out = tmp_path / f"p{processes}u{accumulation}"
         launch(processes, [str(script), HERE, tiny_model_dir, tiny_rm_dir, str(out), str(accumulation),
-                           str(minibatches)])
+                           str(minibatches), str(lora_r)])
         results.append((torch.load(str(out) + ".pt"), json.loads(open(str(out) + ".json").read())))
     weights_a, metrics_a = results[0]
     for weights_b, metrics_b in results[1:]:
@@ -336,6 +345,7 @@ def test_ppo_update_is_world_size_invariant(minibatches, layouts, tiny_model_dir
         for key in metrics_a:
             assert metrics_a[key] == pytest.approx(metrics_b[key], abs=1e-5, rel=1e-5), key
     assert metrics_a["policy/approxkl"] > 0  # the second epoch saw a changed policy: the update did something
+    assert any(".lora_B." in key for key in weights_a) == bool(lora_r)  # LoRA was on when asked, and only then
 
 
 # ---------------------------------------------------------------------------------------------------------------

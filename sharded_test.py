@@ -66,7 +66,8 @@ needs_deepspeed = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is No
 # step and counted as clipped (fixed in ppo_losses, tested in utils_test.py).
 HARD = {"sft": ["--learning_rate", "1e-3", "--max_grad_norm", "0.3"],
         "reward": ["--learning_rate", "1e-3", "--max_grad_norm", "5"],
-        "ppo": ["--learning_rate", "2e-4", "--max_grad_norm", "0.5"]}
+        "ppo": ["--learning_rate", "2e-4", "--max_grad_norm", "0.5"],
+        "ppo_lora": ["--learning_rate", "2e-3", "--max_grad_norm", "0.1", "--lora_r", "4"]}  # LoRA: ppo.py's adapters
 HARD_MULTINODE = {"learning_rate": 5e-4, "max_grad_norm": 0.5, "cliprange_value": 0.02}  # multinode_test.run_args
 MOVED = 100  # the weights must move at least this many times the tolerance of the comparison
 
@@ -197,16 +198,18 @@ def assert_same_scalars(log_dir, want_run, got_run, steps, atol=ATOL):
 
 
 @needs_deepspeed
-@pytest.mark.parametrize("stage", ["sft", "reward", "ppo"])
+@pytest.mark.parametrize("stage", ["sft", "reward", "ppo", "ppo_lora"])
 def test_zero2_equals_ddp(stage, tiny_model_dir, tiny_rm_dir, tmp_path):  # noqa: F811
-    """ZeRO-2 (optimizer states and gradients sharded) takes the same steps as DDP: sft.py, reward.py and ppo.py,
-    6 steps (updates) of the tiny model on 2 processes, every step clipped (HARD: DeepSpeed clips inside its own
-    step, at the `gradient_clipping` the script writes into its config)."""
+    """ZeRO-2 (optimizer states and gradients sharded) takes the same steps as DDP: sft.py, reward.py and ppo.py
+    (also with LoRA adapters, reference and reward model sharing their backbones), 6 steps (updates) of the tiny
+    model on 2 processes, every step clipped (HARD: DeepSpeed clips inside its own step, at the `gradient_clipping`
+    the script writes into its config)."""
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
     log_dir = str(tmp_path / "tb")
     for name, config in (("ddp", None), ("zero2", "deepspeed_zero2")):
-        cmd = stage_command(stage, tiny_model_dir, tiny_rm_dir, str(tmp_path / name), name, HARD[stage])
+        cmd = stage_command(stage.removesuffix("_lora"), tiny_model_dir, tiny_rm_dir, str(tmp_path / name), name,
+                            HARD[stage])
         if config is None:
             norms = launch_ddp(cmd, name, tmp_path)
         else:
@@ -214,7 +217,8 @@ def test_zero2_equals_ddp(stage, tiny_model_dir, tiny_rm_dir, tmp_path):  # noqa
     assert_clipped_and_moved(norms, float(HARD[stage][3]), tiny_model_dir, str(tmp_path / "ddp"), ATOL)
     assert assert_same_scalars(log_dir, "ddp", "zero2", set(range(7))) >= 12
     assert_same_saved_weights(str(tmp_path / "ddp"), str(tmp_path / "zero2"))
-    if stage == "ppo":
+    assert os.path.isdir(tmp_path / "zero2" / "adapter") == stage.endswith("_lora")  # LoRA on when asked, only then
+    if stage.startswith("ppo"):
         assert_same_saved_weights(str(tmp_path / "ddp" / "value_model"), str(tmp_path / "zero2" / "value_model"))
         AutoModelForSequenceClassification.from_pretrained(tmp_path / "zero2" / "value_model")
     model_class = AutoModelForSequenceClassification if stage == "reward" else AutoModelForCausalLM
@@ -222,17 +226,20 @@ def test_zero2_equals_ddp(stage, tiny_model_dir, tiny_rm_dir, tmp_path):  # noqa
 
 
 @needs_deepspeed
-@pytest.mark.parametrize("config", ["deepspeed_zero2", "deepspeed_zero3"])
-def test_ppo_multinode_equals_ddp(config, tiny, tmp_path):  # noqa: F811
-    """ppo_multinode.py under ZeRO-2 and ZeRO-3 takes the same 2 updates as under DDP on 2 processes. Under ZeRO-3
-    the policy and value model are partitioned, so generation runs in step (synced_gpus) and saving gathers them
+@pytest.mark.parametrize("config, lora_r", [("deepspeed_zero2", 0), ("deepspeed_zero3", 0), ("deepspeed_zero2", 4),
+                                            ("deepspeed_zero3", 4)])
+def test_ppo_multinode_equals_ddp(config, lora_r, tiny, tmp_path):  # noqa: F811
+    """ppo_multinode.py under ZeRO-2 and ZeRO-3 takes the same 2 updates as under DDP on 2 processes, also with LoRA
+    adapters (rank 4; the reference is the partitioned policy with its adapter off). Under ZeRO-3 the policy and
+    value model are partitioned, so generation runs in step (synced_gpus) and saving gathers them
     (`zero3_save_16bit_model`, in float32 here since mixed precision is off)."""
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
     dump = tmp_path / "dump"  # the sharded run's parameter checksums before and after training, per process
     dump.mkdir()
+    hard = {**HARD_MULTINODE, "lora_r": lora_r, "learning_rate": 5e-3} if lora_r else HARD_MULTINODE
     for name, launch_config in (("ddp", None), ("sharded", config)):
-        args = run_args(tiny, tmp_path / name, run_name=name, log_dir=tmp_path / "tb", **HARD_MULTINODE)
+        args = run_args(tiny, tmp_path / name, run_name=name, log_dir=tmp_path / "tb", **hard)
         # The sharded run goes through multinode_test.py's `record` driver: ppo_multinode.py with its training
         # step wrapped by a checksum of the whole weights before and after (no test-only flag in the script).
         script = ["ppo_multinode.py"] if name == "ddp" else ["multinode_test.py", "record", str(dump)]
@@ -241,11 +248,15 @@ def test_ppo_multinode_equals_ddp(config, tiny, tmp_path):  # noqa: F811
             norms = launch_ddp(cmd, name, tmp_path)
         else:
             launch_two(launch_config, cmd, name)
-    assert_clipped_and_moved(norms, HARD_MULTINODE["max_grad_norm"], tiny / "policy", tmp_path / "ddp" / "model", ATOL)
+    assert_clipped_and_moved(norms, hard["max_grad_norm"], tiny / "policy", tmp_path / "ddp" / "model", ATOL)
+    assert os.path.isdir(tmp_path / "sharded" / "model" / "adapter") == bool(lora_r)
     # The checksum covers whole weights (under ZeRO-3 it must gather them): it is the initial models' at the start,
     # the same on both processes, and training changes it.
     policy = AutoModelForCausalLM.from_pretrained(tiny / "policy")
     value_model = AutoModelForSequenceClassification.from_pretrained(tiny / "rm", num_labels=1)
+    lora = ppo_multinode.Args(lora_r=lora_r, seed=1)  # the adapters the run adds, drawn from its --seed
+    policy, value_model = (ppo_multinode.adapt_for_training(policy, lora),
+                           ppo_multinode.adapt_for_training(value_model, lora, ["score"]))
     initial = parameter_checksum(ppo_multinode.PolicyAndValue(policy, value_model))
     checksums = [torch.load(dump / f"params_rank{rank}.pt") for rank in (0, 1)]
     assert checksums[0] == checksums[1] and checksums[0]["before"] == initial != checksums[0]["after"]
