@@ -459,6 +459,9 @@ def bad_inputs(model_dir, rm_dir, tmp_path):
          "the reward function fault_test:text_reward returned a str score"),
         ("ppo.py eval_reward_fn type", ppo + ["--eval_reward_fn", "fault_test:text_reward"],
          "the reward function fault_test:text_reward returned a str score"),
+        ("LoRA rank", sft + ["--lora_r", "-1"], "--lora_r must be 0 (no LoRA) or a positive rank (got -1)"),
+        ("LoRA target", ppo + ["--lora_r", "4", "--lora_target_modules", "q_proj,no_such_proj"],
+         "--lora_target_modules 'q_proj,no_such_proj': the model has no layer named no_such_proj."),  # not skipped
     ]
 
 

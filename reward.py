@@ -673,11 +673,19 @@ def adapt_for_training(model, args, modules_to_save=None):
     from peft import LoraConfig, inject_adapter_in_model
 
     targets = args.lora_target_modules
+    names = [name for name, _ in model.named_modules()]
+    missing = [target for target in targets.split(",") if target != "all-linear"
+               and not any(name == target or name.endswith("." + target) for name in names)]
+    if missing:  # peft would adapt the names it finds and quietly skip the others
+        raise ValueError(f"--lora_target_modules {targets!r}: the model has no layer named {', '.join(missing)}.")
     config = LoraConfig(r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=0.0, modules_to_save=modules_to_save,
                         target_modules=targets if targets == "all-linear" else targets.split(","))
-    with torch.random.fork_rng():
-        torch.manual_seed(args.seed)
-        return inject_adapter_in_model(config, model)
+    try:
+        with torch.random.fork_rng():
+            torch.manual_seed(args.seed)
+            return inject_adapter_in_model(config, model)
+    except ValueError as error:  # peft's words, e.g. a layer of a kind LoRA cannot adapt
+        raise ValueError(f"--lora_target_modules {targets!r}: {error}") from error
 
 
 def merge_lora(model, state_dict):
