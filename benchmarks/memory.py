@@ -3,7 +3,7 @@ backbones and gradient checkpointing save.
 
     python benchmarks/memory.py plan --model llama-2-7b --lora_r 16 --gradient_checkpointing   # one prediction
     python benchmarks/memory.py table      # README's table: 1B, 7B, 13B models on 24, 40, 80 GB GPUs
-    python benchmarks/memory.py measure    # ppo.py on SmolLM2 in 4 modes on this CPU: peak RSS against the plan
+    python benchmarks/memory.py measure    # ppo.py on SmolLM2 in 5 modes on this CPU against the plan (~15 min)
 
 The planner (`predict`) adds up, for the process that holds the most (the main one), in bytes:
   weights       float32 (ppo.py keeps every weight in float32 and multiplies in bf16 under autocast): policy, value
@@ -15,27 +15,36 @@ The planner (`predict`) adds up, for the process that holds the most (the main o
                 value head); ZeRO-2/3 divide them by the processes; DDP on several processes adds its all-reduce
                 buckets, a second copy. Freed after every optimizer step (`zero_grad` sets them to None).
   optimizer     AdamW's two float32 moments per trained parameter; ZeRO divides them by the processes.
-  autocast      under bf16: a bf16 copy of every weight that requires grad, cached by autocast through the forward
-                and backward pass (frozen weights are cast op by op and not cached).
+  autocast      under bf16 without gradient checkpointing: a bf16 copy of every weight the training forward uses,
+                held until the backward pass (autocast caches the copies of trained weights; a frozen weight's copy
+                is kept by autograd for the gradient of its input), 2 bytes per parameter of policy and value model.
+                With checkpointing the copies are made and dropped layer by layer: not counted.
   activations   what the training forward keeps for the backward, for one microbatch (micro_batch_size rows of
                 query_length + response_length tokens), in both backbones (policy and value model). Counted per
-                token and decoder layer for a Llama-style layer: its input and the attention input (2 h, float32:
-                the residual stream), q, k, v (h + 2 kv), the attention output (h), the MLP's input (h), gate, up,
-                silu(gate) and their product (4 i), in the matmuls' precision (4 bytes, or 2 under bf16), the norms'
-                at 4. With gradient checkpointing: each layer's input only (h, float32) plus one layer recomputed.
+                token and decoder layer of a Llama-style layer (h hidden, kv key/value width, i MLP width), in bytes:
+                under bf16, 30 h + 4 kv + 8 i (two RMSNorms keep their float32 input and output, 16 h; q, k and v
+                each keep their own bf16 copy of the normed input, 6 h; attention keeps q, k, v, 2 h + 4 kv, and
+                its output, 2 h; gate and up their input copies, 4 h; SiLU, the product and down keep gate, up,
+                silu(gate) and the product, 8 i); in float32, 24 h + 8 kv + 16 i (one shared normed input, 4 bytes
+                each). With gradient checkpointing: each layer's float32 input (4 h) plus one layer recomputed.
   logits        the LM head's output on the response positions of one microbatch (rows x response_length x
                 vocabulary): its float32 copy, the division by the temperature, log_softmax (kept for the backward)
                 and the gradient: 16 bytes per entry.
   rollout       the no-grad forward passes of step (3) on `local_rollout_forward_batch_size` rows: the logits in
                 float32, divided, log_softmax: 12 bytes per entry (plus 2 under bf16 for the LM head's own output);
                 the KV cache of generation (all local rows, every layer, k and v) is counted here too.
-  runtime       CPU only: Python, torch, transformers, the dataset and the tokenizer, measured (`measure`) from a run of
-                the same length on a 2-layer, 64-wide model with the same vocabulary, minus the planner's own terms
-                for that model. On a GPU `torch.cuda.max_memory_allocated` has no such term (the CUDA context and the
-                allocator's cache come on top: leave 10% spare).
-Peak = weights + optimizer + the larger of (rollout) and (gradients + autocast + activations + logits) + runtime.
-Not modelled: DeepSpeed's and FSDP's own buffers (flattened copies, prefetch), fragmentation, the reward model's
-own scoring pass (smaller than the rollout's), evaluation (the same shapes as a rollout with --eval_prompts rows).
+  runtime       CPU only: Python, torch, transformers, the tokenizer and the dataset, measured (`measure`) as the peak
+                memory of a process that imports ppo.py and builds its prompts, nothing more. On a GPU
+                `torch.cuda.max_memory_allocated` has no such term (the CUDA context and the allocator's cache come
+                on top: leave 10% spare).
+Peak = runtime + weights + optimizer + rollout + (gradients + autocast + activations + logits). The rollout's and the
+training phase's transients are added, not the larger one taken: measured on the CPU (glibc's heap, which ppo.py
+tells never to hand memory back: `tune_cpu_allocator`), the memory the rollout frees is not reused for the training
+phase's tensors of other shapes (the largest-of-the-two model missed every mode by 10-35%). On a GPU, PyTorch's
+caching allocator may reuse more: there the sum is an upper bound.
+Not modelled: DeepSpeed's and FSDP's own buffers (flattened copies, prefetch) and their own bf16 (without autocast),
+LoRA's small extras (its layers' rank-r activations), the reward model's scoring pass (smaller than the rollout's),
+evaluation (the same shapes as a rollout with --eval_prompts rows).
 """
 
 import argparse
@@ -110,24 +119,21 @@ def predict(m, s):
     ddp_buckets = 2 if s.zero_stage == 0 and s.processes > 1 else 1
     tokens = s.micro_batch_size * (s.query_length + s.response_length)
     matmul_bytes = 2 if bf16 else 4
-    if s.gradient_checkpointing:
-        per_token = layers * 4 * h + (4 * 2 * h + matmul_bytes * (4 * h + 2 * kv + 4 * i))
-    else:
-        per_token = layers * (4 * 2 * h + matmul_bytes * (4 * h + 2 * kv + 4 * i))
+    layer = 30 * h + 4 * kv + 8 * i if bf16 else 24 * h + 8 * kv + 16 * i  # bytes a token, see the docstring
+    per_token = layers * 4 * h + layer if s.gradient_checkpointing else layers * layer
     rollout_rows = s.local_rollout_forward_batch_size * s.response_length * vocab
     terms = {
         "weights": 4 * weights,
         "optimizer": 8 * trained / split,
         "gradients": 4 * trained / split * ddp_buckets,
-        "autocast": 2 * trained / shard if bf16 else 0,
+        "autocast": 2 * (policy + value) / shard if bf16 and not s.gradient_checkpointing else 0,
         "activations": 2 * tokens * per_token,
         "logits": 16 * s.micro_batch_size * s.response_length * vocab,
         "rollout": (12 + 2 * bf16) * rollout_rows
         + s.local_batch_size * (s.query_length + s.response_length) * layers * 2 * kv * matmul_bytes,
         "runtime": s.runtime_gb * GB,
     }
-    training = terms["gradients"] + terms["autocast"] + terms["activations"] + terms["logits"]
-    terms["peak"] = terms["weights"] + terms["optimizer"] + max(terms["rollout"], training) + terms["runtime"]
+    terms["peak"] = sum(terms.values())
     return terms
 
 
@@ -154,45 +160,51 @@ def peak_rss_gb(command):
     return usage.ru_maxrss * 1024 / GB  # Linux reports kilobytes
 
 
+RUNTIME = """import sys; sys.path.insert(0, {here!r})
+import ppo
+from accelerate import PartialState
+PartialState()
+ppo.tune_cpu_allocator()
+args = ppo.derive_sizes(ppo.Args(sft_model_path={sft!r}), 1)
+ppo.load_prompts(args, ppo.load_tokenizer({sft!r}), 0, 1)
+"""
+
+
 def measure(args):
-    sys.path.insert(0, HERE)
+    """Peak RSS of ppo.py in each of MODES (one update, the default shapes, `--mixed_precision`), each a fresh process,
+    against the planner, whose runtime term is the peak RSS of a process that only imports ppo.py and builds its
+    prompts (RUNTIME). With --replan: the measurements of the last run (benchmarks/results/memory.json) are kept and
+    only the runtime and the plan are redone (a changed planner, checked against the same measurements)."""
     work = tempfile.mkdtemp(prefix="memory_")
-    tiny = os.path.join(work, "tiny")
-    subprocess.run([sys.executable, "-c", f"import sys; sys.path.insert(0, {HERE!r}); import utils_test; "
-                    f"utils_test.build_tiny_model({tiny!r}); from transformers import "
-                    f"AutoModelForSequenceClassification as M; M.from_pretrained({tiny!r}, num_labels=1)"
-                    f".save_pretrained({tiny + '_rm'!r})"], check=True, cwd=HERE)
-    subprocess.run(["cp", os.path.join(tiny, "tokenizer.json"), os.path.join(tiny, "tokenizer_config.json"),
-                    tiny + "_rm"], check=True)
-    setting = Setting(precision="bf16" if args.mixed_precision == "bf16" else "fp32")
+    results = os.path.join(HERE, "benchmarks", "results", "memory.json")
+    runtime = peak_rss_gb([sys.executable, "-c", RUNTIME.format(here=HERE, sft=args.sft_model_path)])
+    setting = Setting(precision="bf16" if args.mixed_precision == "bf16" else "fp32", runtime_gb=runtime)
+    print(f"runtime: {runtime:.2f} GB (imports, tokenizer, prompts)", flush=True)
+    measured = {row["mode"]: row["measured_gb"] for row in json.load(open(results))["rows"]} if args.replan else {}
 
-    def command(sft, rm, name, flags):
-        return [sys.executable, "ppo.py", "--sft_model_path", sft, "--reward_model_path", rm, "--total_episodes", "32",
-                "--eval_every", "100", "--mixed_precision", args.mixed_precision, "--output_dir",
-                os.path.join(work, "out", name), "--log_dir", os.path.join(work, "tb"), "--run_name", name, *flags]
+    def command(name, flags):
+        return [sys.executable, "ppo.py", "--sft_model_path", args.sft_model_path, "--reward_model_path",
+                args.reward_model_path, "--total_episodes", "32", "--eval_every", "100", "--mixed_precision",
+                args.mixed_precision, "--output_dir", os.path.join(work, "out", name), "--log_dir",
+                os.path.join(work, "tb"), "--run_name", name, *flags]
 
-    measured_tiny = peak_rss_gb(command(tiny, tiny + "_rm", "tiny", []))
-    model_terms = predict(MODELS["tiny"], setting)["peak"] / GB
-    setting.runtime_gb = measured_tiny - model_terms
-    print(f"runtime: {measured_tiny:.2f} GB measured on the tiny model, minus its planned {model_terms:.2f} GB = "
-          f"{setting.runtime_gb:.2f} GB", flush=True)
     rows = []
     for name, flags in MODES.items():
         mode = dataclasses.replace(setting, lora_r=16 if "LoRA" in name else 0, lora_share_backbones="shared" in name,
                                    gradient_checkpointing="checkpointing" in name)
         planned = predict(MODELS["smollm2-135m"], mode)
-        got = peak_rss_gb(command(args.sft_model_path, args.reward_model_path, name.replace(" ", "_"), flags))
+        got = measured[name] if args.replan else peak_rss_gb(command(name.replace(" ", "_"), flags))
         rows.append({"mode": name, "measured_gb": got, "planned_gb": planned["peak"] / GB,
                      "error": planned["peak"] / GB / got - 1, "terms_gb": {k: v / GB for k, v in planned.items()}})
-        print(f"{name}: measured {got:.2f} GB, planned {planned['peak'] / GB:.2f} GB "
-              f"({rows[-1]['error']:+.1%}); {show(planned)}", flush=True)
-    print("\n| mode (SmolLM2-135M, one PPO update, bf16 autocast) | peak RSS measured | planner | error |\n|---|---|---|---|")
+        print(f"{name}: measured {got:.2f} GB, planned {planned['peak'] / GB:.2f} GB ({rows[-1]['error']:+.1%}); "
+              f"{show(planned)}", flush=True)
+    print("\n| mode (SmolLM2-135M, one PPO update, bf16 autocast) | peak RSS measured | planner | error |\n"
+          "|---|---|---|---|")
     for row in rows:
         print(f"| {row['mode']} | {row['measured_gb']:.2f} GB | {row['planned_gb']:.2f} GB | {row['error']:+.1%} |")
-    os.makedirs(os.path.join(HERE, "benchmarks", "results"), exist_ok=True)
-    with open(os.path.join(HERE, "benchmarks", "results", "memory.json"), "w") as f:
-        json.dump({"setting": dataclasses.asdict(setting), "runtime_measured_tiny_gb": measured_tiny,
-                   "rows": rows}, f, indent=2)
+    os.makedirs(os.path.dirname(results), exist_ok=True)
+    with open(results, "w") as f:
+        json.dump({"setting": dataclasses.asdict(setting), "rows": rows}, f, indent=2)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -242,10 +254,11 @@ if __name__ == "__main__":
     p.add_argument("--precision", default="bf16", choices=["bf16", "fp32"])
     p.add_argument("--no_share", action="store_true", help="LoRA without shared backbones")
     p.add_argument("--gradient_checkpointing", action="store_true")
-    m = sub.add_parser("measure", help="SmolLM2 in 4 modes on this CPU against the plan")
+    m = sub.add_parser("measure", help="SmolLM2 in 5 modes on this CPU against the plan")
     m.add_argument("--sft_model_path", default="runs/imdb/sft")
     m.add_argument("--reward_model_path", default="runs/imdb/reward")
     m.add_argument("--mixed_precision", default="bf16", choices=["bf16", "no"])
+    m.add_argument("--replan", action="store_true", help="keep the last run's measurements, redo the plan")
     sub.add_parser("table", help="README's table")
     parsed = parser.parse_args()
     {"plan": plan, "measure": measure, "table": table}[parsed.command](parsed)
