@@ -9,7 +9,8 @@
   did, and peft loads the adapter saved beside it onto the base model to the same numbers;
 - the whole pipeline under LoRA: SFT -> RM -> PPO, the PPO run with its four roles on two backbones equal to the run
   with four separate models; at learning rate 0 every PPO ratio is exactly 1;
-- `--gradient_checkpointing` really recomputes, and one run with it ends with the weights of one without (1e-5).
+- `--gradient_checkpointing` really recomputes, and one run with it ends with the weights of one without (1e-5);
+- the memory planner (benchmarks/memory.py) counts exactly the parameters the models and adapters hold.
 (resume_test.py and sharded_test.py run resume, 1 x 2 = 2 x 1 microbatches and ZeRO-2/3 with LoRA too.)
 """
 
@@ -272,3 +273,25 @@ def test_gradient_checkpointing_gives_the_same_weights(stage, lora, tiny_model_d
         torch.testing.assert_close(a[key], b[key], atol=1e-5, rtol=0, msg=key)
     start = load_file(os.path.join(tiny_model_dir, "model.safetensors"))
     assert any((start[k] - a[k]).abs().max() > 1e-4 for k in start if k in a)  # it did train
+
+
+def test_the_memory_planner_counts_what_the_models_hold(tiny_model_dir, tiny_rm_dir):  # noqa: F811
+    """benchmarks/memory.py's parameter counts (policy, value model, one backbone's LoRA adapter at rank 4) are those
+    of the real models it plans for: the tiny Llama, its reward model, and the adapters `adapt_for_training` adds."""
+    import importlib.util
+
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    spec = importlib.util.spec_from_file_location("memory", os.path.join(os.path.dirname(__file__), "benchmarks",
+                                                                         "memory.py"))
+    memory = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(memory)
+    policy = ppo.load_model(tiny_model_dir, AutoModelForCausalLM)
+    config = {key: getattr(policy.config, key) for key in memory.MODELS["tiny"]}
+    assert config == memory.MODELS["tiny"]  # the planner's "tiny" is utils_test's tiny model
+    planned_policy, planned_value, planned_adapter = memory.parameter_counts(config, lora_r=4)
+    assert planned_policy == sum(p.numel() for p in policy.parameters())  # tied embeddings counted once
+    value_model = ppo.load_model(tiny_rm_dir, AutoModelForSequenceClassification, num_labels=1)
+    assert planned_value == sum(p.numel() for p in value_model.parameters())
+    adapted = ppo.adapt_for_training(policy, lora_args())
+    assert planned_adapter == sum(p.numel() for p in adapted.parameters() if p.requires_grad)
