@@ -162,8 +162,8 @@ class Args:
     """Layers that get adapters: `all-linear` (peft: every linear layer but the output head, as QLoRA does) or
     comma-separated names such as `q_proj,v_proj` (the LoRA paper's choice)."""
     gradient_checkpointing: bool = False
-    """Recompute each layer's activations in the backward pass instead of keeping them: activation memory of about
-    one layer instead of all, for about a third more compute; the same gradients."""
+    """Recompute each layer's activations in the backward pass instead of keeping them (only each layer's input is
+    kept): for about a third more compute, activation memory of one layer instead of all; the same gradients."""
     lora_share_backbones: bool = True
     """With --lora_r: the reference is the policy with its adapter off, and the reward model the value model with its
     adapter off when the value model starts from it, so the four roles need two backbones; False loads them apart."""

@@ -117,8 +117,8 @@ class Args:
     """Layers that get adapters: `all-linear` (peft: every linear layer but the output head, as QLoRA does) or
     comma-separated names such as `q_proj,v_proj` (the LoRA paper's choice)."""
     gradient_checkpointing: bool = False
-    """Recompute each layer's activations in the backward pass instead of keeping them: activation memory of about
-    one layer instead of all, for about a third more compute; the same gradients."""
+    """Recompute each layer's activations in the backward pass instead of keeping them (only each layer's input is
+    kept): for about a third more compute, activation memory of one layer instead of all; the same gradients."""
     # --- evaluation, logging, saving ---
     eval_every: int = 40
     """Optimizer steps between held-out evaluations (also run at the start and end)."""
