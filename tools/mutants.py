@@ -54,6 +54,7 @@ R = "resume_test.py::"
 F = "fault_test.py::"
 S = "sharded_test.py::"
 M = "multinode_test.py::"
+L = "lora_test.py::"
 
 MUTANTS = [
     # --- resuming and signals ------------------------------------------------------------------------------------
@@ -242,6 +243,30 @@ MUTANTS = [
            [('    total, count = accelerator.reduce(torch.stack([(values * mask).sum(), mask.sum()]), reduction="sum")',
              "    total, count = torch.stack([(values * mask).sum(), mask.sum()])")],
            M + "test_two_processes_gather_score_once_and_scatter"),
+    # --- LoRA and gradient checkpointing (issue 20) ----------------------------------------------------------------
+    Mutant("reference-keeps-the-adapter", "ppo.py", "LoRA: the shared reference is the trained policy (adapter on)",
+           [("        with adapters_off(ref_policy):  # under LoRA",
+             "        with contextlib.nullcontext():  # under LoRA")],
+           L + "test_two_backbones_run_exactly_as_four_models"),
+    Mutant("reward-from-the-value-model", "ppo.py", "LoRA: the shared reward model scores with the value adapter on",
+           [("            with adapters_off(reward_model):", "            with contextlib.nullcontext():")],
+           L + "test_two_backbones_run_exactly_as_four_models"),
+    Mutant("lora-dropout-on", "ppo.py", "LoRA adapters with dropout: sampling and training see other models",
+           [("lora_dropout=0.0, modules_to_save", "lora_dropout=0.1, modules_to_save")],
+           L + "test_adapters_start_as_the_model_from_the_seed_without_dropout"),
+    Mutant("adapters-not-seeded", "ppo.py", "LoRA's A drawn from each process's own random state, not --seed",
+           [("            torch.manual_seed(args.seed)\n            return inject_adapter_in_model",
+             "            return inject_adapter_in_model")],
+           L + "test_adapters_start_as_the_model_from_the_seed_without_dropout"),
+    Mutant("merge-without-scaling", "ppo.py", "saved LoRA weights merged as W + B A, without alpha / r",
+           [("value.float() + scaling[module] * lora_b @ lora_a", "value.float() + lora_b @ lora_a")],
+           L + "test_merged_weights_and_the_saved_adapter_compute_what_the_adapted_model_did"),
+    Mutant("checkpointing-never-on", "sft.py", "--gradient_checkpointing accepted but nothing recomputed",
+           [("        model.activation_checkpointing_enable()\n", "")],
+           L + "test_gradient_checkpointing_gives_the_same_weights[0-sft]"),
+    Mutant("missing-lora-target-skipped", "ppo.py", "a --lora_target_modules name the model lacks is quietly skipped",
+           [("    if missing:  # peft would", "    if False:  # peft would")],
+           F + "test_bad_input_gives_one_clear_error"),
 ]
 
 
