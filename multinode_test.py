@@ -287,8 +287,8 @@ def test_two_nodes_on_loopback(tiny, tmp_path):
                       "--num_cpu_threads_per_process", "1", __file__, "record", str(dump), *script]
         for rank in (0, 1)], timeout=240)
     # the reward model is loaded on the main process only
-    assert re.search(r"loaded reward model on cpu(:0)? \(process 0\)", outputs[0])
-    assert "loaded reward model" not in outputs[1]
+    assert re.search(r"reward model: loaded on cpu(:0)? \(process 0\)", outputs[0])
+    assert "reward model: loaded" not in outputs[1]
 
     # each process received exactly the scores of its own samples: score them directly with the reward model
     rm = AutoModelForSequenceClassification.from_pretrained(tiny / "rm", num_labels=1).eval()
