@@ -40,7 +40,7 @@ The planner (`predict`) adds up, for the process that holds the most (the main o
 Peak = runtime + weights + optimizer + rollout + (gradients + autocast + activations + logits). The rollout's and the
 training phase's transients are added, not the larger one taken: measured on the CPU (glibc's heap, which ppo.py
 tells never to hand memory back: `tune_cpu_allocator`), the memory the rollout frees is not reused for the training
-phase's tensors of other shapes (the largest-of-the-two model missed every mode by 10-35%). On a GPU, PyTorch's
+phase's tensors of other shapes (taking the larger of the two missed the LoRA modes by 28-35%). On a GPU, PyTorch's
 caching allocator may reuse more: there the sum is an upper bound.
 Not modelled: DeepSpeed's and FSDP's own buffers (flattened copies, prefetch) and their own bf16 (without autocast),
 LoRA's small extras (its layers' rank-r activations), the reward model's scoring pass (smaller than the rollout's),
