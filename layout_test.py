@@ -126,7 +126,7 @@ def test_own_plumbing_is_set_up_and_checks_only():
     own = {script: top_level_names(split_at_banner(read(script))[1]) for script in SCRIPTS}
     assert not own["sft.py"] and not own["reward.py"]
     assert own["ppo.py"] == PPO_OWN_PLUMBING
-    assert own["ppo_multinode.py"] == PPO_OWN_PLUMBING | {"whole_model_loading"}
+    assert own["ppo_multinode.py"] == PPO_OWN_PLUMBING | {"shard_reference"}
 
 
 @pytest.mark.parametrize("script", SCRIPTS)

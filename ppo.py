@@ -57,8 +57,9 @@ import torch.nn.functional as F
 import tyro
 from accelerate import Accelerator, PartialState
 from accelerate.logging import get_logger
-from accelerate.utils import (DistributedType, InitProcessGroupKwargs, broadcast_object_list, gather_object,
-                               parse_flag_from_env, set_seed)
+from accelerate.state import AcceleratorState
+from accelerate.utils import (DistributedDataParallelKwargs, DistributedType, InitProcessGroupKwargs,
+                               broadcast_object_list, gather_object, parse_flag_from_env, set_seed)
 from safetensors import SafetensorError
 from tqdm.auto import tqdm
 from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer,
@@ -116,7 +117,7 @@ class Args:
     """Microbatches per minibatch and process, gradients summed before the step. With one minibatch only memory
     changes (and float rounding); with more, it also changes which rollouts share a minibatch (`ppo_epochs`)."""
     total_episodes: int = 480
-    """Rollouts in the whole run, all processes: 480 = 15 updates (~6 min on 2 CPU cores, README); SFFD's TL;DR: 1M."""
+    """Rollouts in the whole run, all processes: 480 = 15 updates (README: the time it takes); SFFD's TL;DR: 1M."""
     ppo_epochs: int = 2
     """Passes over each batch of rollouts (SFFD: noptepochs; TRL: num_ppo_epochs)."""
     learning_rate: float = 2e-5
@@ -188,9 +189,9 @@ class Args:
     resume_from: str = ""
     """Continue a run exactly from a `checkpoint-<update>` folder, `latest`, or `auto` (latest if any, else start)."""
     mixed_precision: str = "auto"
-    """`bf16`, `fp16` or `no` (float32) matrix products (accelerate's autocast): weights, optimizer state, logprobs,
-    values, losses stay float32 (DeepSpeed, FSDP: their own bf16, README). `auto`: `accelerate launch`'s setting (`no`
-    without its flag or a config), else bf16 if the hardware has it (CUDA, AVX512-BF16/AMX CPUs), else `no`; logged."""
+    """`bf16`, `fp16` or `no` (float32): autocast's matrix products and the frozen linear layers' dtype; trained
+    weights, optimizer state, logprobs, values, losses stay float32 (DeepSpeed, FSDP: their own bf16). `auto`: the
+    launcher's (`no` without its flag or config), else bf16 if the hardware has it (CUDA, AVX512-BF16, AMX); logged."""
     dist_timeout_s: int = 900
     """Seconds a process waits in a collective before giving up (one failed process cannot hang the others)."""
     log_dir: str = "runs/tensorboard"
@@ -212,23 +213,30 @@ class PolicyAndValue(torch.nn.Module):
         self.policy, self.value_model = policy, value_model
 
     def forward(self, query_responses, attention_mask, context_length, temperature):
-        """Returns `(logprobs, all_logprobs, values)`: (B, T), (B, T, V), (B, T) float32, see `response_logprobs`."""
+        """Returns `(logprobs, entropy, values)`, each (B, T) float32, see `response_logprobs`."""
         return (*response_logprobs(self.policy, query_responses, attention_mask, context_length, temperature),
                 token_values(self.value_model, query_responses, attention_mask, context_length))
 
 
-def response_logprobs(model, query_responses, attention_mask, context_length, temperature):
-    """Log-probabilities of the response tokens at sampling temperature. `query_responses`, `attention_mask`
-    (B, Q+T) long; `context_length` Q. Returns `logprobs` (B, T) and `all_logprobs` (B, T, V) float32,
-    log_softmax(logits / temperature): the probabilities the tokens were sampled with, which the PPO ratio needs. The
-    LM head runs only on the T positions that predict a response token (position Q-1+t predicts token Q+t)."""
+def response_logprobs(model, query_responses, attention_mask, context_length, temperature, chunk_entries=2**24):
+    """`logprobs` (B, T) float32, log_softmax(logits / temperature) at the response tokens (the probabilities they
+    were sampled with: the PPO ratio's), and `entropy` (B, T), -sum_v p_v log p_v in nats, no gradient. The LM head
+    runs in float32 on the B x T positions that predict a response token (Q-1+t predicts Q+t, Q = `context_length`),
+    a few at a time: at most `chunk_entries` logits (64 MB) at once, not (B, T, vocab): 8.4 GB at 128k x 512 x 32."""
     backbone = getattr(model, model.base_model_prefix)
     hidden = backbone(input_ids=query_responses, attention_mask=attention_mask,
                       position_ids=position_ids_from_mask(attention_mask), use_cache=False).last_hidden_state
-    logits = model.get_output_embeddings()(hidden[:, context_length - 1 : -1]).float() / temperature
-    all_logprobs = F.log_softmax(logits, dim=-1)
-    tokens = query_responses[:, context_length:]
-    return all_logprobs.gather(2, tokens.unsqueeze(2)).squeeze(2), all_logprobs
+    tokens, head = query_responses[:, context_length:], model.get_output_embeddings()
+    hidden, flat = hidden[:, context_length - 1 : -1].flatten(0, 1), tokens.flatten()  # (B*T, hidden), (B*T,)
+    n = max(1, chunk_entries // head.out_features)  # positions per chunk
+    logprobs, entropy = [], []
+    for i in range(0, len(flat), n):
+        with torch.autocast(hidden.device.type, enabled=False):  # float32 logits: bf16 ones step by 0.125 at 16-32
+            all_logprobs = F.log_softmax(head(hidden[i : i + n].float()) / temperature, dim=-1)
+        logprobs.append(all_logprobs.gather(1, flat[i : i + n, None]).squeeze(1))
+        with torch.no_grad():
+            entropy.append(-(all_logprobs.exp() * all_logprobs).sum(-1))
+    return torch.cat(logprobs).view_as(tokens), torch.cat(entropy).view_as(tokens)
 
 
 def token_values(model, query_responses, attention_mask, context_length):
@@ -237,12 +245,13 @@ def token_values(model, query_responses, attention_mask, context_length):
     backbone = getattr(model, model.base_model_prefix)
     hidden = backbone(input_ids=query_responses, attention_mask=attention_mask,
                       position_ids=position_ids_from_mask(attention_mask), use_cache=False).last_hidden_state
-    return model.score(hidden[:, context_length - 1 : -1]).squeeze(-1).float()
+    with torch.autocast(hidden.device.type, enabled=False):  # the head in float32, as the LM head's
+        return model.score(hidden[:, context_length - 1 : -1].float()).squeeze(-1)
 
 
 def position_ids_from_mask(attention_mask):
     """Positions (B, L) long counting only real tokens: a left-padded row starts at position 0 on its first real
-    token, exactly as the same row would without padding. Padding positions get 0 (they are masked anyway)."""
+    token, exactly as the same row would without padding. Left padding gets 0, right padding repeats the last one."""
     return (attention_mask.cumsum(1) - 1).clamp(min=0)
 
 
@@ -454,7 +463,7 @@ def ppo_epochs(accelerator, model, optimizer, scheduler, rollouts, args, update)
             for u, idx in enumerate(microbatches):
                 mb_data = {k: v[idx] for k, v in rollouts.items()}
                 with accelerator.accumulate(model):  # no all-reduce, no optimizer step until the U-th microbatch
-                    new_logprobs, all_logprobs, new_values = model(
+                    new_logprobs, entropy, new_values = model(
                         mb_data["query_responses"], mb_data["attention_mask"], args.query_length, args.temperature)
                     pg_loss, vf_loss, mb_stats = ppo_losses(
                         new_logprobs, mb_data["logprobs"], mb_data["advantages"], new_values, mb_data["values"],
@@ -471,10 +480,7 @@ def ppo_epochs(accelerator, model, optimizer, scheduler, rollouts, args, update)
                                                      f"minibatch {mb}): a loss was NaN or infinite on some process.")
                     optimizer.step()  # a no-op until the U-th microbatch
                     optimizer.zero_grad()
-                with torch.no_grad():
-                    # H = -sum_v p_v log p_v, exact, nats per token: one dot product a token (p*log p is not stored).
-                    entropy = -torch.einsum("btv,btv->bt", all_logprobs.exp(), all_logprobs)
-                    mb_stats["policy/entropy"] = ((entropy * mb_data["mask"]).sum(), mb_data["mask"].sum())
+                mb_stats["policy/entropy"] = ((entropy * mb_data["mask"]).sum(), mb_data["mask"].sum())  # nats/token
                 for name, (total, count) in mb_stats.items():
                     stats[name][epoch, mb, u] = torch.stack([total.detach(), count])
             scheduler.step()
@@ -569,13 +575,13 @@ def main(args: Args):
     # --- models: policy and ref from SFT, value model, the reward; dropout off -----------------------------------
     policy, ref_policy, value_model, reward_fn = load_models(args, plugged_reward, tokenizer, accelerator)
     model = PolicyAndValue(policy, value_model)
-    # fused=True: AdamW's arithmetic in one op over all parameters (torch's CPU default loops over them in Python).
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=args.learning_rate, eps=1e-5,
-                                  weight_decay=0.0, fused=True)
+                                  weight_decay=0.0, fused=True)  # fused: one op for all parameters, not a loop
     # Linear anneal to 0 over the run's optimizer steps, stepped by hand (a prepared one would step once per process).
     total_steps = args.num_updates * args.ppo_epochs * args.num_mini_batches
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 - step / total_steps)
-    fit_deepspeed_config(accelerator, args.micro_batch_size, args.gradient_accumulation_steps, args.max_grad_norm)
+    fit_deepspeed_config(accelerator, args.micro_batch_size, args.gradient_accumulation_steps, args.max_grad_norm,
+                         policy.config.hidden_size)
     model, optimizer = accelerator.prepare(model, optimizer)
     accelerator.register_for_checkpointing(scheduler)
     unwrapped = accelerator.unwrap_model(model)
@@ -859,14 +865,16 @@ def load_models(args, plugged_reward, tokenizer, accelerator):
         if not same_vocabulary or (has_score_head(config) and config.num_labels != 1):
             raise ValueError(f"--value_model_path {args.value_model_path!r}: a value model needs the policy's "
                              "tokenizer and one output (a scalar head, or a causal LM, which gets one).")
-    share = args.lora_r > 0 and args.lora_share_backbones
+    share, frozen = args.lora_r > 0 and args.lora_share_backbones, frozen_dtype(accelerator)
     policy = load_model(args.sft_model_path, AutoModelForCausalLM)
-    ref_policy = policy if share else load_model(args.sft_model_path, AutoModelForCausalLM).requires_grad_(False)
+    ref_policy = policy if share else cast_frozen_linears(
+        load_model(args.sft_model_path, AutoModelForCausalLM).requires_grad_(False), frozen)
     value_model = load_model(value_model_path, AutoModelForSequenceClassification, num_labels=1)
     if not has_score_head(value_model.config):
         torch.nn.init.normal_(value_model.score.weight, std=1 / math.sqrt(value_model.score.in_features + 1),
                               generator=torch.Generator().manual_seed(args.seed))
-    policy, value_model = adapt_for_training(policy, args), adapt_for_training(value_model, args, ["score"])
+    policy, value_model = adapt_for_training(policy, args, None, frozen), adapt_for_training(value_model, args,
+                                                                                           ["score"], frozen)
     logger.info(f"value model from {value_model_path}" + (f", LoRA rank {args.lora_r}" if args.lora_r else ""),
                 main_process_only=True)
     reward_fn = plugged_reward
@@ -875,7 +883,7 @@ def load_models(args, plugged_reward, tokenizer, accelerator):
             reward_model, where = value_model, "the value model with its adapter off"
         else:
             reward_model = load_model(args.reward_model_path, AutoModelForSequenceClassification, num_labels=1)
-            reward_model = reward_model.requires_grad_(False).eval().to(accelerator.device)
+            reward_model = cast_frozen_linears(reward_model.requires_grad_(False), frozen).eval().to(accelerator.device)
             where = f"loaded on {accelerator.device}"
         logger.info(f"reward model: {where} (process {accelerator.process_index}): "
                     + ("it scores the policy's token ids" if same_tokens else "it re-tokenizes the text with its "
@@ -964,7 +972,8 @@ def get_reward(model, input_ids, attention_mask):
                       position_ids=position_ids_from_mask(attention_mask), use_cache=False).last_hidden_state
     positions = torch.arange(input_ids.shape[1], device=input_ids.device)
     last = (positions * attention_mask).argmax(1)  # index of the rightmost real token of each row
-    scores = model.score(hidden[torch.arange(len(hidden), device=hidden.device), last]).squeeze(-1).float()
+    with torch.autocast(hidden.device.type, enabled=False):  # the head in float32: no bf16 rounding of the score
+        scores = model.score(hidden[torch.arange(len(hidden), device=hidden.device), last].float()).squeeze(-1)
     return scores + getattr(model.config, "reward_bias", 0.0)
 
 
@@ -1079,20 +1088,23 @@ def load_tokenizer(name_or_path):
     return tokenizer
 
 
-def load_model(name_or_path, model_class, **kwargs):
-    """`model_class.from_pretrained(name_or_path)`, also for GGUF files, always as a plain float32 model, dropout off.
+def load_model(name_or_path, model_class, dtype=torch.float32, **kwargs):
+    """`model_class.from_pretrained(name_or_path)` in `dtype`, also for GGUF files, dropout off. Under ZeRO-3
+    transformers builds it already partitioned (`deepspeed.zero.Init`; accelerate registers the DeepSpeed config
+    with it), so no process holds the whole model, and the engine's precision decides the partitions' dtype.
 
     A GGUF checkpoint is dequantized by transformers into a model that cannot be saved; it is rebuilt here from its
     config and state dict as an ordinary model of `model_class` (for a sequence-classification class the LM head is
-    dropped and the new `score` head is left to the caller to initialise). `kwargs` are config overrides
-    (`num_labels=1`). Dropout is zeroed in the config *before* the model is built (`disable_dropout`): RLHF needs
-    deterministic forward passes (PPO's ratio must be exactly 1 before the first update).
+    dropped and the new `score` head is left to the caller to initialise), whole even under ZeRO-3
+    (`whole_model_loading`: `prepare` partitions it). `kwargs` are config overrides (`num_labels=1`). Dropout is
+    zeroed in the config *before* the model is built (`disable_dropout`): RLHF needs deterministic forward passes
+    (PPO's ratio must be exactly 1 before the first update).
     """
     source, gguf_file = resolve_model_source(name_or_path)
     if gguf_file is None:
         config = AutoConfig.from_pretrained(source, **kwargs)
-        model = model_class.from_pretrained(source, config=disable_dropout(config))
-    else:
+        return disable_dropout(model_class.from_pretrained(source, config=disable_dropout(config), dtype=dtype))
+    with whole_model_loading():
         causal_lm = AutoModelForCausalLM.from_pretrained(source, gguf_file=gguf_file)
         config = causal_lm.config
         if hasattr(config, "quantization_config"):
@@ -1101,8 +1113,24 @@ def load_model(name_or_path, model_class, **kwargs):
             setattr(config, key, value)
         model = model_class.from_config(disable_dropout(config))
         model.load_state_dict(causal_lm.state_dict(), strict=model_class is AutoModelForCausalLM)
-    disable_dropout(model)
-    return model.float()
+    return disable_dropout(model).to(dtype)
+
+
+@contextlib.contextmanager
+def whole_model_loading():
+    """Context in which transformers builds whole models under ZeRO-3 too, where `from_pretrained` would partition
+    each model as it is built: for a GGUF file (dequantized whole) and for a model that lives on one process only
+    (ppo_multinode.py's reward model), with no engine to gather its partitions. Elsewhere: no effect."""
+    from transformers.integrations import is_deepspeed_zero3_enabled, unset_hf_deepspeed_config
+
+    if not is_deepspeed_zero3_enabled():
+        yield
+        return
+    unset_hf_deepspeed_config()
+    try:
+        yield
+    finally:
+        AcceleratorState().deepspeed_plugin.set_deepspeed_weakref()  # registered again, as accelerate left it
 
 
 def disable_dropout(config_or_model):
@@ -1137,7 +1165,7 @@ def disable_dropout(config_or_model):
     return config_or_model
 
 
-def adapt_for_training(model, args, modules_to_save=None):
+def adapt_for_training(model, args, modules_to_save=None, frozen=torch.float32):
     """The memory savers of `--lora_r` and `--gradient_checkpointing` applied to `model` in place; returns it, still
     of its transformers class (generate, save_pretrained and the scripts' forward passes work as before).
 
@@ -1145,7 +1173,8 @@ def adapt_for_training(model, args, modules_to_save=None):
     each linear layer of `--lora_target_modules` computes W x + (lora_alpha / lora_r) * B A x, with A (r, in) drawn
     at random from `--seed` (the same on every process) and B (out, r) zero, so the model starts exactly as it was.
     W and everything else is frozen; `modules_to_save` (a score head) trains whole, as a copy beside the frozen
-    original. LoRA dropout is 0 for the reason dropout is off everywhere (`disable_dropout`). Gradient
+    original; the frozen linear layers are held in `frozen` (`cast_frozen_linears`). LoRA dropout is 0 for the reason
+    dropout is off everywhere (`disable_dropout`). Gradient
     checkpointing: each decoder layer's activations are recomputed in the backward pass instead of kept, the same
     gradients for about one more forward pass; transformers does it only in training mode, so the model is put in
     it (dropout is off: the outputs do not change). Raises ValueError for a negative rank or unknown target modules.
@@ -1170,7 +1199,7 @@ def adapt_for_training(model, args, modules_to_save=None):
     try:
         with torch.random.fork_rng():
             torch.manual_seed(args.seed)
-            return inject_adapter_in_model(config, model)
+            return cast_frozen_linears(inject_adapter_in_model(config, model), frozen)
     except ValueError as error:  # peft's words, e.g. a layer of a kind LoRA cannot adapt
         raise ValueError(f"--lora_target_modules {targets!r}: {error}") from error
 
@@ -1178,8 +1207,9 @@ def adapt_for_training(model, args, modules_to_save=None):
 def merge_lora(model, state_dict):
     """`(merged, adapter)`: `state_dict` of `model`, a model with LoRA adapters (`adapt_for_training`), as the plain
     model's, and the adapter alone in peft's format; `(state_dict, None)` for a model without adapters. In `merged`
-    each adapted weight is W + (lora_alpha / lora_r) * B A (computed in float32) under W's own name, and a trained
-    copy of a `modules_to_save` module replaces its original, so `from_pretrained` loads it as a plain model."""
+    each adapted weight is W + (lora_alpha / lora_r) * B A under W's own name, and a trained copy of a
+    `modules_to_save` module replaces its original, so `from_pretrained` loads it as a plain model. Computed tensor by
+    tensor on the CPU in float32 (a base held in bf16, `cast_frozen_linears`, is saved as the float32 it ran as)."""
     scaling = {name: module.scaling["default"] for name, module in model.named_modules() if hasattr(module, "lora_A")}
     if not scaling:
         return state_dict, None
@@ -1191,9 +1221,11 @@ def merge_lora(model, state_dict):
             continue
         name = key.replace(".base_layer.", ".").replace(".modules_to_save.default.", ".")
         module = key.rsplit(".base_layer.", 1)[0]
+        value = value.to("cpu", torch.float32) if value.is_floating_point() else value.cpu()
         if key.endswith(".base_layer.weight") and module in scaling:
-            lora_a, lora_b = (state_dict[f"{module}.lora_{x}.default.weight"].float() for x in "AB")
-            value = (value.float() + scaling[module] * lora_b @ lora_a).to(value.dtype)
+            lora_a, lora_b = (state_dict[f"{module}.lora_{x}.default.weight"].to("cpu", torch.float32)
+                              for x in "AB")
+            value = value + scaling[module] * lora_b @ lora_a
         merged[name] = value
     adapter = get_peft_model_state_dict(model, state_dict=state_dict)  # named as in a PeftModel's own file
     return merged, {f"base_model.model.{key}": value for key, value in adapter.items()}
@@ -1412,9 +1444,11 @@ def make_accelerator(args):
     made first, with the timeout: `choose_precision` asks for the device, which would otherwise make it without."""
     handler = process_group_kwargs(args.dist_timeout_s)
     PartialState(parse_flag_from_env("ACCELERATE_USE_CPU"), **handler.to_kwargs())  # as Accelerator would make it
+    # DDP: gradients are views into its all-reduce buckets, not a second copy of them.
     accelerator = Accelerator(log_with="tensorboard", project_dir=args.log_dir,
                               gradient_accumulation_steps=args.gradient_accumulation_steps,
-                              mixed_precision=choose_precision(args.mixed_precision), kwargs_handlers=[handler])
+                              mixed_precision=choose_precision(args.mixed_precision),
+                              kwargs_handlers=[handler, DistributedDataParallelKwargs(gradient_as_bucket_view=True)])
     logger.info(f"mixed precision: {accelerator.mixed_precision} (--mixed_precision {args.mixed_precision})",
                 main_process_only=True)
     if accelerator.mixed_precision == "fp16" and accelerator.device.type == "cpu":  # accelerate would run float32
@@ -1448,15 +1482,44 @@ def choose_precision(choice):
     return "bf16" if flags & {"avx512_bf16", "amx_bf16"} else "no"
 
 
-def fit_deepspeed_config(accelerator, micro_batch_size, gradient_accumulation_steps, max_grad_norm):
-    """Write the script's own batch sizes and clipping into the DeepSpeed config; call it before `prepare`. A no-op
-    without DeepSpeed.
+def frozen_dtype(accelerator):
+    """The dtype that frozen linear layers are held in (`cast_frozen_linears`): the autocast's, bf16 or fp16, on one
+    process or under DDP; float32 without mixed precision, and under DeepSpeed and FSDP, whose engines set the
+    precision of what they wrap themselves."""
+    if accelerator.distributed_type in (DistributedType.DEEPSPEED, DistributedType.FSDP):
+        return torch.float32
+    return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(accelerator.mixed_precision, torch.float32)
+
+
+def cast_frozen_linears(model, dtype):
+    """Hold `model`'s frozen linear layers (no parameter requires grad: a reference or reward model, a LoRA base) in
+    `dtype` (`frozen_dtype`); returns `model`. Autocast would cast their weights to that dtype at every use, so they
+    compute exactly as before with half the memory and no per-use copy. The heads (LM head, score head) and what
+    autocast runs in float32 (embeddings, norms) stay float32: the model computes what it computed before, and it
+    must run under autocast (a float32 input meets bf16 weights otherwise)."""
+    heads = [model.get_output_embeddings(), getattr(model, "score", None)]
+    keep = {id(p) for head in heads if head is not None for p in head.parameters()}
+    for module in model.modules():
+        own = list(module.parameters(recurse=False))
+        if (isinstance(module, torch.nn.Linear) and own and not any(p.requires_grad or id(p) in keep for p in own)):
+            module.to(dtype)
+    return model
+
+
+def fit_deepspeed_config(accelerator, micro_batch_size, gradient_accumulation_steps, max_grad_norm, hidden_size):
+    """Write the script's own batch sizes and clipping into the DeepSpeed config, and ZeRO-3's buffer sizes from the
+    model's `hidden_size` where the config leaves them unset; call it before `prepare`. A no-op without DeepSpeed.
 
     The configs leave `train_micro_batch_size_per_gpu` to accelerate ("auto"), which fills it only from a prepared
     DataLoader; these scripts cut their own batches (so that a run is the same on any number of processes), so
     `prepare` would stop. DeepSpeed divides each loss by its own `gradient_accumulation_steps` and clips at its own
     `gradient_clipping` inside `backward` (accelerate's `clip_grad_norm_` then only reads the norm back), so both are
     set from the flags too: a config file's value would otherwise silently win over --max_grad_norm.
+    ZeRO-3's buffers default to sizes in parameters, not in the model's shape: a 500M-element gradient bucket (2 GB
+    in float32) and up to 1B gathered parameters kept live for reuse, so a model under 1B parameters, once run, stays
+    whole on every process. Unset (or "auto"), they get accelerate's "auto" values for the buckets (h^2 bucket,
+    0.9 h^2 prefetch, weights under 10 h not partitioned), and the gathered weights are released after each use
+    beyond one prefetch bucket (max live parameters and reuse distance 0.9 h^2).
     """
     plugin = accelerator.state.deepspeed_plugin
     if plugin is None:
@@ -1466,6 +1529,14 @@ def fit_deepspeed_config(accelerator, micro_batch_size, gradient_accumulation_st
     config["gradient_accumulation_steps"] = gradient_accumulation_steps
     config["train_batch_size"] = micro_batch_size * gradient_accumulation_steps * accelerator.num_processes
     config["gradient_clipping"] = max_grad_norm
+    zero = config.get("zero_optimization", {})
+    if zero.get("stage") == 3:
+        bucket = int(0.9 * hidden_size**2)
+        for key, value in {"reduce_bucket_size": hidden_size**2, "stage3_prefetch_bucket_size": bucket,
+                           "stage3_param_persistence_threshold": 10 * hidden_size,
+                           "stage3_max_live_parameters": bucket, "stage3_max_reuse_distance": bucket}.items():
+            if zero.get(key, "auto") == "auto":
+                zero[key] = value
 
 
 def agree_on_error(accelerator, message):
@@ -1591,7 +1662,11 @@ def save_atomically(accelerator, model, tokenizer, output_dir, stage, submodules
     """
     accelerator.wait_for_everyone()
     unwrapped = accelerator.unwrap_model(model)
-    state_dict = accelerator.get_state_dict(model)  # collective under DeepSpeed/FSDP: every process must call it
+    # ZeRO-3 and FSDP: a collective (each process gives its part, the main one gets the whole); elsewhere only the
+    # main process takes the state dict (ZeRO-2's would be a clone of the whole model on every process).
+    sharded = accelerator.distributed_type == DistributedType.FSDP or getattr(
+        accelerator.state.deepspeed_plugin, "zero_stage", 0) == 3
+    state_dict = accelerator.get_state_dict(model) if sharded or accelerator.is_main_process else None
     problem = None
     if accelerator.is_main_process:
         parts = {"": (unwrapped, state_dict)}

@@ -188,14 +188,18 @@ def test_kill_and_resume_equals_uninterrupted(stage, precision, tiny_model_dir, 
 def test_bf16_at_learning_rate_0_the_ratio_is_exactly_1(script, tiny_model_dir, tiny_rm_dir, tmp_path):  # noqa: F811
     """Under bf16 autocast the rollout's logprobs (generation and the rollout forward passes, in chunks of 8) and the
     training forward's (microbatches of 4) come from the same precision path: with learning rate 0 every PPO ratio
-    is exactly 1. The rollout ran in float32 while the training forward was autocast, this would fail (about 1e-2)."""
+    is exactly 1. The rollout ran in float32 while the training forward was autocast, this would fail (about 1e-2).
+    And the reference, held in bf16 (`cast_frozen_linears`), computes exactly as the float32 policy under autocast:
+    the KL is exactly 0 at update 0 (held-out) and, the policy never moving, at every update."""
     command = stage_command("ppo", tiny_model_dir, tiny_rm_dir, str(tmp_path / "out"), "lr0",
                             ["--mixed_precision", "bf16", "--learning_rate", "0", "--total_episodes", "16"])
     command[1] = script
     proc = run(command)
     assert "mixed precision: bf16 (--mixed_precision bf16)" in proc.stdout
-    found = scalars(str(tmp_path / "tb"), "lr0", {1, 2})
+    found = scalars(str(tmp_path / "tb"), "lr0", {0, 1, 2})
     assert set(found["ppo/policy/max_abs_log_ratio"]) == {1, 2}
+    assert found["eval/kl"][0] == 0.0 and found["objective/kl"] == {1: 0.0, 2: 0.0}, (found["eval/kl"],
+                                                                                       found["objective/kl"])
     for tag in ("ppo/policy/max_abs_log_ratio", "ppo/policy/approxkl_avg", "ppo/policy/clipfrac_avg"):
         assert all(value == 0.0 for value in found[tag].values()), (tag, found[tag])
     assert all(value == 1.0 for value in found["ppo/val/ratio_avg"].values())

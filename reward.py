@@ -69,8 +69,10 @@ import torch.nn.functional as F
 import tyro
 from accelerate import Accelerator, PartialState
 from accelerate.logging import get_logger
-from accelerate.utils import (DistributedType, InitProcessGroupKwargs, broadcast_object_list, gather_object,
-                               parse_flag_from_env, set_seed)
+from accelerate.state import AcceleratorState
+from accelerate.utils import (DistributedDataParallelKwargs, DistributedType, GatheredParameters,
+                               InitProcessGroupKwargs, broadcast_object_list, gather_object, parse_flag_from_env,
+                               set_seed)
 from safetensors import SafetensorError
 from tqdm.auto import tqdm
 from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer,
@@ -159,10 +161,11 @@ class Args:
     """A `checkpoint-<step>` folder, `latest`, or `auto` (latest if there is one, else start fresh: for requeued
     jobs): continue that run exactly as if it had never stopped."""
     mixed_precision: str = "auto"
-    """`bf16`, `fp16` or `no` (float32) for the model's matrix products (accelerate's autocast); weights, optimizer
-    state, scores and the loss stay float32 (under DeepSpeed and FSDP bf16 is the engine's own: README). `auto`:
-    `accelerate launch`'s setting (its --mixed_precision or config file; `no` with neither), else (plain `python`)
-    bf16 where the hardware multiplies in bf16 natively (CUDA, AVX512-BF16/AMX CPUs), else `no`; logged."""
+    """`bf16`, `fp16` or `no` (float32) for the model's matrix products (accelerate's autocast) and a frozen LoRA
+    base's linear layers; trained weights, optimizer state, scores and the loss stay float32 (under DeepSpeed and
+    FSDP bf16 is the engine's own: README). `auto`: `accelerate launch`'s setting (its --mixed_precision or config
+    file; `no` with neither), else (plain `python`) bf16 where the hardware multiplies in bf16 natively (CUDA,
+    AVX512-BF16/AMX CPUs), else `no`; logged."""
     dist_timeout_s: int = 900
     """Seconds a process waits in a collective before giving up, so one failed process cannot hang the others."""
     log_dir: str = "runs/tensorboard"
@@ -221,13 +224,14 @@ def get_reward(model, input_ids, attention_mask):
                       position_ids=position_ids_from_mask(attention_mask), use_cache=False).last_hidden_state
     positions = torch.arange(input_ids.shape[1], device=input_ids.device)
     last = (positions * attention_mask).argmax(1)  # index of the rightmost real token of each row
-    scores = model.score(hidden[torch.arange(len(hidden), device=hidden.device), last]).squeeze(-1).float()
+    with torch.autocast(hidden.device.type, enabled=False):  # the head in float32: no bf16 rounding of the score
+        scores = model.score(hidden[torch.arange(len(hidden), device=hidden.device), last].float()).squeeze(-1)
     return scores + getattr(model.config, "reward_bias", 0.0)
 
 
 def position_ids_from_mask(attention_mask):
     """Positions (B, L) long counting only real tokens: a left-padded row starts at position 0 on its first real
-    token, exactly as the same row would without padding. Padding positions get 0 (they are masked anyway)."""
+    token, exactly as the same row would without padding. Left padding gets 0, right padding repeats the last one."""
     return (attention_mask.cumsum(1) - 1).clamp(min=0)
 
 
@@ -398,27 +402,19 @@ def main(args: Args):
     model = load_model(args.model_name_or_path, AutoModelForSequenceClassification, num_labels=1)
     # The head is new (the SFT model had an LM head). Stiennon et al. 2020 draw it from N(0, 1/(d_model+1)), so the
     # first scores have roughly unit scale whatever the hidden size; also re-drawn when starting from a trained RM.
-    # Under ZeRO-3, transformers builds the model already partitioned (`deepspeed.zero.Init`): the head's weight is
-    # an empty placeholder here, and drawing into it would silently do nothing. It is gathered whole, drawn on process
-    # 0 and partitioned again from that copy.
-    head = model.score.weight
-    if hasattr(head, "ds_id"):
-        import deepspeed
-
-        whole = deepspeed.zero.GatheredParameters([head], modifier_rank=0)
-    else:
-        whole = contextlib.nullcontext()
-    with whole:
-        torch.nn.init.normal_(head, std=1 / math.sqrt(model.score.in_features + 1))
+    # Under ZeRO-3 the model is built partitioned (`load_model`) and the head is an empty placeholder, into which a
+    # draw would silently do nothing: it is gathered whole, drawn on process 0 and partitioned again from that copy.
+    with GatheredParameters([model.score.weight], modifier_rank=0):  # no effect without ZeRO-3
+        torch.nn.init.normal_(model.score.weight, std=1 / math.sqrt(model.score.in_features + 1))
     model.config.reward_bias = 0.0  # raw scores while training; the bias does not change the pairwise loss anyway
-    reward_model = RewardModel(adapt_for_training(model, args, modules_to_save=["score"]))  # LoRA: head trains whole
+    reward_model = RewardModel(adapt_for_training(model, args, ["score"], frozen_dtype(accelerator)))  # head: whole
     optimizer = torch.optim.AdamW([p for p in reward_model.parameters() if p.requires_grad], lr=args.learning_rate,
                                   weight_decay=args.weight_decay)
     scheduler = get_scheduler("linear", optimizer, num_warmup_steps=math.ceil(args.warmup_ratio * args.max_steps),
                               num_training_steps=args.max_steps)
     # The scheduler is stepped by hand once per optimizer step, so it is not prepared (accelerate would step it
     # once per process); it is registered so that checkpoints hold it.
-    fit_deepspeed_config(accelerator, args.per_device_train_batch_size, U, args.max_grad_norm)
+    fit_deepspeed_config(accelerator, args.per_device_train_batch_size, U, args.max_grad_norm, model.config.hidden_size)
     reward_model, optimizer = accelerator.prepare(reward_model, optimizer)
     accelerator.register_for_checkpointing(scheduler)
     accelerator.init_trackers(run_name, config=vars(args))
@@ -592,20 +588,23 @@ def load_tokenizer(name_or_path):
     return tokenizer
 
 
-def load_model(name_or_path, model_class, **kwargs):
-    """`model_class.from_pretrained(name_or_path)`, also for GGUF files, always as a plain float32 model, dropout off.
+def load_model(name_or_path, model_class, dtype=torch.float32, **kwargs):
+    """`model_class.from_pretrained(name_or_path)` in `dtype`, also for GGUF files, dropout off. Under ZeRO-3
+    transformers builds it already partitioned (`deepspeed.zero.Init`; accelerate registers the DeepSpeed config
+    with it), so no process holds the whole model, and the engine's precision decides the partitions' dtype.
 
     A GGUF checkpoint is dequantized by transformers into a model that cannot be saved; it is rebuilt here from its
     config and state dict as an ordinary model of `model_class` (for a sequence-classification class the LM head is
-    dropped and the new `score` head is left to the caller to initialise). `kwargs` are config overrides
-    (`num_labels=1`). Dropout is zeroed in the config *before* the model is built (`disable_dropout`): RLHF needs
-    deterministic forward passes (PPO's ratio must be exactly 1 before the first update).
+    dropped and the new `score` head is left to the caller to initialise), whole even under ZeRO-3
+    (`whole_model_loading`: `prepare` partitions it). `kwargs` are config overrides (`num_labels=1`). Dropout is
+    zeroed in the config *before* the model is built (`disable_dropout`): RLHF needs deterministic forward passes
+    (PPO's ratio must be exactly 1 before the first update).
     """
     source, gguf_file = resolve_model_source(name_or_path)
     if gguf_file is None:
         config = AutoConfig.from_pretrained(source, **kwargs)
-        model = model_class.from_pretrained(source, config=disable_dropout(config))
-    else:
+        return disable_dropout(model_class.from_pretrained(source, config=disable_dropout(config), dtype=dtype))
+    with whole_model_loading():
         causal_lm = AutoModelForCausalLM.from_pretrained(source, gguf_file=gguf_file)
         config = causal_lm.config
         if hasattr(config, "quantization_config"):
@@ -614,8 +613,24 @@ def load_model(name_or_path, model_class, **kwargs):
             setattr(config, key, value)
         model = model_class.from_config(disable_dropout(config))
         model.load_state_dict(causal_lm.state_dict(), strict=model_class is AutoModelForCausalLM)
-    disable_dropout(model)
-    return model.float()
+    return disable_dropout(model).to(dtype)
+
+
+@contextlib.contextmanager
+def whole_model_loading():
+    """Context in which transformers builds whole models under ZeRO-3 too, where `from_pretrained` would partition
+    each model as it is built: for a GGUF file (dequantized whole) and for a model that lives on one process only
+    (ppo_multinode.py's reward model), with no engine to gather its partitions. Elsewhere: no effect."""
+    from transformers.integrations import is_deepspeed_zero3_enabled, unset_hf_deepspeed_config
+
+    if not is_deepspeed_zero3_enabled():
+        yield
+        return
+    unset_hf_deepspeed_config()
+    try:
+        yield
+    finally:
+        AcceleratorState().deepspeed_plugin.set_deepspeed_weakref()  # registered again, as accelerate left it
 
 
 def disable_dropout(config_or_model):
@@ -650,7 +665,7 @@ def disable_dropout(config_or_model):
     return config_or_model
 
 
-def adapt_for_training(model, args, modules_to_save=None):
+def adapt_for_training(model, args, modules_to_save=None, frozen=torch.float32):
     """The memory savers of `--lora_r` and `--gradient_checkpointing` applied to `model` in place; returns it, still
     of its transformers class (generate, save_pretrained and the scripts' forward passes work as before).
 
@@ -658,7 +673,8 @@ def adapt_for_training(model, args, modules_to_save=None):
     each linear layer of `--lora_target_modules` computes W x + (lora_alpha / lora_r) * B A x, with A (r, in) drawn
     at random from `--seed` (the same on every process) and B (out, r) zero, so the model starts exactly as it was.
     W and everything else is frozen; `modules_to_save` (a score head) trains whole, as a copy beside the frozen
-    original. LoRA dropout is 0 for the reason dropout is off everywhere (`disable_dropout`). Gradient
+    original; the frozen linear layers are held in `frozen` (`cast_frozen_linears`). LoRA dropout is 0 for the reason
+    dropout is off everywhere (`disable_dropout`). Gradient
     checkpointing: each decoder layer's activations are recomputed in the backward pass instead of kept, the same
     gradients for about one more forward pass; transformers does it only in training mode, so the model is put in
     it (dropout is off: the outputs do not change). Raises ValueError for a negative rank or unknown target modules.
@@ -683,7 +699,7 @@ def adapt_for_training(model, args, modules_to_save=None):
     try:
         with torch.random.fork_rng():
             torch.manual_seed(args.seed)
-            return inject_adapter_in_model(config, model)
+            return cast_frozen_linears(inject_adapter_in_model(config, model), frozen)
     except ValueError as error:  # peft's words, e.g. a layer of a kind LoRA cannot adapt
         raise ValueError(f"--lora_target_modules {targets!r}: {error}") from error
 
@@ -691,8 +707,9 @@ def adapt_for_training(model, args, modules_to_save=None):
 def merge_lora(model, state_dict):
     """`(merged, adapter)`: `state_dict` of `model`, a model with LoRA adapters (`adapt_for_training`), as the plain
     model's, and the adapter alone in peft's format; `(state_dict, None)` for a model without adapters. In `merged`
-    each adapted weight is W + (lora_alpha / lora_r) * B A (computed in float32) under W's own name, and a trained
-    copy of a `modules_to_save` module replaces its original, so `from_pretrained` loads it as a plain model."""
+    each adapted weight is W + (lora_alpha / lora_r) * B A under W's own name, and a trained copy of a
+    `modules_to_save` module replaces its original, so `from_pretrained` loads it as a plain model. Computed tensor by
+    tensor on the CPU in float32 (a base held in bf16, `cast_frozen_linears`, is saved as the float32 it ran as)."""
     scaling = {name: module.scaling["default"] for name, module in model.named_modules() if hasattr(module, "lora_A")}
     if not scaling:
         return state_dict, None
@@ -704,9 +721,11 @@ def merge_lora(model, state_dict):
             continue
         name = key.replace(".base_layer.", ".").replace(".modules_to_save.default.", ".")
         module = key.rsplit(".base_layer.", 1)[0]
+        value = value.to("cpu", torch.float32) if value.is_floating_point() else value.cpu()
         if key.endswith(".base_layer.weight") and module in scaling:
-            lora_a, lora_b = (state_dict[f"{module}.lora_{x}.default.weight"].float() for x in "AB")
-            value = (value.float() + scaling[module] * lora_b @ lora_a).to(value.dtype)
+            lora_a, lora_b = (state_dict[f"{module}.lora_{x}.default.weight"].to("cpu", torch.float32)
+                              for x in "AB")
+            value = value + scaling[module] * lora_b @ lora_a
         merged[name] = value
     adapter = get_peft_model_state_dict(model, state_dict=state_dict)  # named as in a PeftModel's own file
     return merged, {f"base_model.model.{key}": value for key, value in adapter.items()}
@@ -925,9 +944,11 @@ def make_accelerator(args):
     made first, with the timeout: `choose_precision` asks for the device, which would otherwise make it without."""
     handler = process_group_kwargs(args.dist_timeout_s)
     PartialState(parse_flag_from_env("ACCELERATE_USE_CPU"), **handler.to_kwargs())  # as Accelerator would make it
+    # DDP: gradients are views into its all-reduce buckets, not a second copy of them.
     accelerator = Accelerator(log_with="tensorboard", project_dir=args.log_dir,
                               gradient_accumulation_steps=args.gradient_accumulation_steps,
-                              mixed_precision=choose_precision(args.mixed_precision), kwargs_handlers=[handler])
+                              mixed_precision=choose_precision(args.mixed_precision),
+                              kwargs_handlers=[handler, DistributedDataParallelKwargs(gradient_as_bucket_view=True)])
     logger.info(f"mixed precision: {accelerator.mixed_precision} (--mixed_precision {args.mixed_precision})",
                 main_process_only=True)
     if accelerator.mixed_precision == "fp16" and accelerator.device.type == "cpu":  # accelerate would run float32
@@ -961,15 +982,44 @@ def choose_precision(choice):
     return "bf16" if flags & {"avx512_bf16", "amx_bf16"} else "no"
 
 
-def fit_deepspeed_config(accelerator, micro_batch_size, gradient_accumulation_steps, max_grad_norm):
-    """Write the script's own batch sizes and clipping into the DeepSpeed config; call it before `prepare`. A no-op
-    without DeepSpeed.
+def frozen_dtype(accelerator):
+    """The dtype that frozen linear layers are held in (`cast_frozen_linears`): the autocast's, bf16 or fp16, on one
+    process or under DDP; float32 without mixed precision, and under DeepSpeed and FSDP, whose engines set the
+    precision of what they wrap themselves."""
+    if accelerator.distributed_type in (DistributedType.DEEPSPEED, DistributedType.FSDP):
+        return torch.float32
+    return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(accelerator.mixed_precision, torch.float32)
+
+
+def cast_frozen_linears(model, dtype):
+    """Hold `model`'s frozen linear layers (no parameter requires grad: a reference or reward model, a LoRA base) in
+    `dtype` (`frozen_dtype`); returns `model`. Autocast would cast their weights to that dtype at every use, so they
+    compute exactly as before with half the memory and no per-use copy. The heads (LM head, score head) and what
+    autocast runs in float32 (embeddings, norms) stay float32: the model computes what it computed before, and it
+    must run under autocast (a float32 input meets bf16 weights otherwise)."""
+    heads = [model.get_output_embeddings(), getattr(model, "score", None)]
+    keep = {id(p) for head in heads if head is not None for p in head.parameters()}
+    for module in model.modules():
+        own = list(module.parameters(recurse=False))
+        if (isinstance(module, torch.nn.Linear) and own and not any(p.requires_grad or id(p) in keep for p in own)):
+            module.to(dtype)
+    return model
+
+
+def fit_deepspeed_config(accelerator, micro_batch_size, gradient_accumulation_steps, max_grad_norm, hidden_size):
+    """Write the script's own batch sizes and clipping into the DeepSpeed config, and ZeRO-3's buffer sizes from the
+    model's `hidden_size` where the config leaves them unset; call it before `prepare`. A no-op without DeepSpeed.
 
     The configs leave `train_micro_batch_size_per_gpu` to accelerate ("auto"), which fills it only from a prepared
     DataLoader; these scripts cut their own batches (so that a run is the same on any number of processes), so
     `prepare` would stop. DeepSpeed divides each loss by its own `gradient_accumulation_steps` and clips at its own
     `gradient_clipping` inside `backward` (accelerate's `clip_grad_norm_` then only reads the norm back), so both are
     set from the flags too: a config file's value would otherwise silently win over --max_grad_norm.
+    ZeRO-3's buffers default to sizes in parameters, not in the model's shape: a 500M-element gradient bucket (2 GB
+    in float32) and up to 1B gathered parameters kept live for reuse, so a model under 1B parameters, once run, stays
+    whole on every process. Unset (or "auto"), they get accelerate's "auto" values for the buckets (h^2 bucket,
+    0.9 h^2 prefetch, weights under 10 h not partitioned), and the gathered weights are released after each use
+    beyond one prefetch bucket (max live parameters and reuse distance 0.9 h^2).
     """
     plugin = accelerator.state.deepspeed_plugin
     if plugin is None:
@@ -979,6 +1029,14 @@ def fit_deepspeed_config(accelerator, micro_batch_size, gradient_accumulation_st
     config["gradient_accumulation_steps"] = gradient_accumulation_steps
     config["train_batch_size"] = micro_batch_size * gradient_accumulation_steps * accelerator.num_processes
     config["gradient_clipping"] = max_grad_norm
+    zero = config.get("zero_optimization", {})
+    if zero.get("stage") == 3:
+        bucket = int(0.9 * hidden_size**2)
+        for key, value in {"reduce_bucket_size": hidden_size**2, "stage3_prefetch_bucket_size": bucket,
+                           "stage3_param_persistence_threshold": 10 * hidden_size,
+                           "stage3_max_live_parameters": bucket, "stage3_max_reuse_distance": bucket}.items():
+            if zero.get(key, "auto") == "auto":
+                zero[key] = value
 
 
 def agree_on_error(accelerator, message):
@@ -1104,7 +1162,11 @@ def save_atomically(accelerator, model, tokenizer, output_dir, stage, submodules
     """
     accelerator.wait_for_everyone()
     unwrapped = accelerator.unwrap_model(model)
-    state_dict = accelerator.get_state_dict(model)  # collective under DeepSpeed/FSDP: every process must call it
+    # ZeRO-3 and FSDP: a collective (each process gives its part, the main one gets the whole); elsewhere only the
+    # main process takes the state dict (ZeRO-2's would be a clone of the whole model on every process).
+    sharded = accelerator.distributed_type == DistributedType.FSDP or getattr(
+        accelerator.state.deepspeed_plugin, "zero_stage", 0) == 3
+    state_dict = accelerator.get_state_dict(model) if sharded or accelerator.is_main_process else None
     problem = None
     if accelerator.is_main_process:
         parts = {"": (unwrapped, state_dict)}

@@ -630,3 +630,103 @@ def test_ppo_py_refuses_sharded_weights(config, tiny_model_dir, tiny_rm_dir, tmp
     lines = [line for line in output.splitlines() if line.startswith("error:")]
     assert lines and all(line.startswith("error: ppo.py does not run under ZeRO-3 or FSDP") for line in lines), lines
     assert "ppo_multinode.py" in lines[0] and not os.path.exists(tmp_path / "out")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# ZeRO-3: no process holds a whole model
+# ---------------------------------------------------------------------------------------------------------------
+PARTITION_PROBE = '''"""Test-only driver (written by sharded_test.py): runs ppo_multinode.py's `main` as its
+`__main__` does, and right after `load_models` writes, for the policy, the reference and the value model, each
+parameter's whole size (`ds_numel` under ZeRO-3, else numel) and the elements this process holds of it (its
+partition, plus the tensor itself) to $PROBE_DIR/rank<r>.json.
+"""
+import json
+import os
+import sys
+
+import torch
+import tyro
+
+sys.path.insert(0, os.getcwd())
+import ppo_multinode  # noqa: E402
+
+original_load_models = ppo_multinode.load_models
+
+
+def load_models(*args, **kwargs):
+    loaded = original_load_models(*args, **kwargs)
+    report = {}
+    for role, model in zip(("policy", "reference", "value model"), loaded[:3]):
+        report[role] = [(getattr(p, "ds_numel", p.numel()), p.numel() + (p.ds_tensor.numel() if hasattr(p, "ds_tensor")
+                         else 0)) for p in model.parameters()]
+    with open(os.path.join(os.environ["PROBE_DIR"], f"rank{torch.distributed.get_rank()}.json"), "w") as f:
+        json.dump(report, f)
+    return loaded
+
+
+ppo_multinode.load_models = load_models
+sys.argv = ["ppo_multinode.py", *sys.argv[1:]]
+ppo_multinode.run_as_command(ppo_multinode.main, tyro.cli(ppo_multinode.Args))
+'''
+
+
+@needs_deepspeed
+def test_zero3_no_process_holds_a_whole_model(tiny, tmp_path):  # noqa: F811
+    """Under configs/deepspeed_zero3.yaml ppo_multinode.py builds the policy, the reference and the value model
+    already partitioned (`load_model`: transformers' `deepspeed.zero.Init`): right after loading, each of the 2
+    processes holds at most half (rounded up) of every parameter, never a whole one, and the run then trains and
+    saves. Built whole (as before: `whole_model_loading` around them), each process would hold every parameter."""
+    driver = tmp_path / "partition_probe.py"
+    driver.write_text(PARTITION_PROBE)
+    args = run_args(tiny, tmp_path / "run", log_dir=tmp_path / "tb")
+    launch_two("deepspeed_zero3", ["python", str(driver), *[f"--{k}={v}" for k, v in args.items()]], "probe",
+               {"PROBE_DIR": str(tmp_path)})
+    for rank in (0, 1):
+        report = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        for role, sizes in report.items():
+            assert len(sizes) > 10, role  # every parameter of the model, not a few
+            for whole, held in sizes:
+                assert held <= -(-whole // 2), (rank, role, whole, held)
+    assert os.path.isfile(tmp_path / "run" / "model" / "model.safetensors")
+
+
+STATE_DICT_PROBE = '''"""Test-only driver (written by sharded_test.py): `accelerate launch ... state_dict_probe.py SCRIPT.py ARGS...` runs
+SCRIPT's `main` as its `__main__` does, and counts this process's `Accelerator.get_state_dict` calls in
+$PROBE_DIR/rank<r>.txt (one line a call).
+"""
+import importlib
+import os
+import sys
+
+import tyro
+from accelerate import Accelerator
+
+sys.path.insert(0, os.getcwd())
+original = Accelerator.get_state_dict
+
+
+def get_state_dict(self, *args, **kwargs):
+    with open(os.path.join(os.environ["PROBE_DIR"], f"rank{self.process_index}.txt"), "a") as f:
+        f.write("call\\n")
+    return original(self, *args, **kwargs)
+
+
+Accelerator.get_state_dict = get_state_dict
+script = importlib.import_module(sys.argv[1].removesuffix(".py"))
+sys.argv = sys.argv[1:]
+script.run_as_command(script.main, tyro.cli(script.Args))
+'''
+
+
+@needs_deepspeed
+def test_zero2_saves_from_the_main_process_alone(tiny_model_dir, tiny_rm_dir, tmp_path):  # noqa: F811
+    """Under ZeRO-2 every process holds the whole weights, so only the main process takes the state dict to save
+    (accelerate's would be a clone of the whole model on every process): the other process never calls
+    `get_state_dict`, and the saved policy is complete."""
+    driver = tmp_path / "state_dict_probe.py"
+    driver.write_text(STATE_DICT_PROBE)
+    cmd = stage_command("ppo", tiny_model_dir, tiny_rm_dir, str(tmp_path / "out"), "probe")
+    launch_two("deepspeed_zero2", [cmd[0], str(driver), *cmd[1:]], "probe", {"PROBE_DIR": str(tmp_path)})
+    assert (tmp_path / "rank0.txt").read_text().splitlines() == ["call"]
+    assert not (tmp_path / "rank1.txt").exists()
+    assert os.path.isfile(tmp_path / "out" / "model.safetensors")

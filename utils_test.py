@@ -9,6 +9,7 @@ import contextlib
 import gzip
 import importlib.util
 import json
+import math
 import os
 import sys
 import types
@@ -206,7 +207,7 @@ class FakeAccelerator:
 
 class RecordingModel(torch.nn.Module):
     """Stands in for PolicyAndValue: records the rollouts each forward pass sees (token 0 of a row is the rollout's
-    global index) and returns logprobs, all_logprobs and values that depend on one parameter."""
+    global index) and returns logprobs, entropy and values that depend on one parameter."""
 
     def __init__(self):
         super().__init__()
@@ -217,7 +218,7 @@ class RecordingModel(torch.nn.Module):
         self.seen.append(query_responses[:, 0].tolist())
         shape = (len(query_responses), query_responses.shape[1] - context_length)
         values = self.w * torch.ones(shape)
-        return values, torch.log_softmax(self.w * torch.ones(*shape, 3), -1), values
+        return values, math.log(3) * torch.ones(shape), values  # entropy: 3 equally likely tokens
 
 
 def record_minibatches(local_batch, mini, micro, epochs, rank=0, world=1):
@@ -419,7 +420,7 @@ def test_kl_and_entropy_metrics_are_per_sequence_or_per_token_in_nats():
     ids = torch.arange(2)
     rollouts = {"query_responses": torch.stack([ids] * 4, 1), "attention_mask": torch.ones(2, 4), "mask": mask,
                 **{k: torch.zeros(2, 2) for k in ("logprobs", "values", "advantages", "returns")}}
-    model = RecordingModel()  # all_logprobs: log_softmax of equal logits over 3 tokens
+    model = RecordingModel()  # entropy log 3 on every token
     stats = ppo.ppo_epochs(FakeAccelerator(0, 1, 1), model, torch.optim.SGD(model.parameters(), lr=0.0),
                            types.SimpleNamespace(step=lambda: None), rollouts, args, update=1)
     assert stats["policy/entropy"][0, 0, 0].tolist() == pytest.approx([3 * log3, 3.0])  # (sum, real tokens)
@@ -723,6 +724,34 @@ def test_rollout_samples_from_softmax_of_logits_over_temperature(opinionated_mod
     real = response_mask[:, :steps].bool()
     torch.testing.assert_close(logprobs[:, :steps][real], sampled[real], atol=1e-4, rtol=0)
     assert policy.generation_config.repetition_penalty == 3.0  # the checkpoint's own config is kept for saving
+
+
+def test_logprobs_in_chunks_equal_the_whole_vocabulary_at_once(tiny_model_dir):
+    """`response_logprobs` runs the LM head on a few positions at a time (at most `chunk_entries` logits at once): its
+    logprobs, entropy and gradient equal those of the whole (B, T, vocabulary) log_softmax (1e-6, float32)."""
+    from transformers import AutoModelForCausalLM
+
+    policy = ppo.load_model(tiny_model_dir, AutoModelForCausalLM).eval()
+    vocabulary, (B, Q, T) = policy.config.vocab_size, (5, 4, 6)
+    ids = torch.randint(0, vocabulary, (B, Q + T), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    mask[0, :2] = 0  # a left-padded query
+    rows = []
+    hook = policy.get_output_embeddings().register_forward_hook(lambda module, inputs, out: rows.append(len(out)))
+    logprobs, entropy = ppo.response_logprobs(policy, ids, mask, Q, 0.7, chunk_entries=2 * T * vocabulary + 5)
+    hook.remove()
+    assert rows == [2 * T, 2 * T, T]  # positions: at most 2 x T x vocabulary logits at once
+    grad = torch.autograd.grad(logprobs.sum(), policy.model.layers[0].mlp.up_proj.weight)[0]
+    logits = policy(input_ids=ids, attention_mask=mask, position_ids=ppo.position_ids_from_mask(mask)).logits
+    whole = torch.log_softmax(logits[:, Q - 1 : -1].float() / 0.7, -1)
+    want = whole.gather(2, ids[:, Q:, None]).squeeze(2)
+    torch.testing.assert_close(logprobs, want, atol=1e-6, rtol=0)
+    # entropy is ~log(vocabulary) = 10.8 nats: a sum over 49k terms, so float32 rounding is relative (1e-6)
+    torch.testing.assert_close(entropy, -(whole.exp() * whole).sum(-1).detach(), atol=1e-6, rtol=1e-6)
+    assert not entropy.requires_grad
+    want_grad = torch.autograd.grad(want.sum(), policy.model.layers[0].mlp.up_proj.weight)[0]
+    torch.testing.assert_close(grad, want_grad, atol=1e-6, rtol=0)
+    assert grad.abs().max() > 1e-3  # a real gradient
 
 
 def test_sft_samples_are_plain_greedy(opinionated_model_dir):

@@ -2,49 +2,100 @@
 backbones and gradient checkpointing save.
 
     python benchmarks/memory.py plan --model llama-2-7b --lora_r 16 --gradient_checkpointing   # one prediction
-    python benchmarks/memory.py table      # README's table: 1B, 7B, 13B models on 24, 40, 80 GB GPUs
-    python benchmarks/memory.py measure    # ppo.py on SmolLM2 in 5 modes on this CPU against the plan (~15 min)
+    python benchmarks/memory.py table        # README's table: 1B, 7B, 13B models on 24, 40, 80 GB GPUs
+    python benchmarks/memory.py predictions  # benchmarks/results/memory_predictions.json, written before measuring
+    python benchmarks/memory.py measure      # ppo.py on SmolLM2 in 5 modes on this CPU against the plan (~15 min)
 
-The planner (`predict`) adds up, for the process that holds the most (the main one), in bytes:
-  weights       float32 (ppo.py keeps every weight in float32 and multiplies in bf16 under autocast): policy, value
-                model, reference and reward model; the reference is the policy and the reward model the value model
-                when LoRA shares the backbones (`--lora_share_backbones`, not the reward model under ZeRO-3). ZeRO-3
-                divides the trained models by the processes; the frozen ones are whole on every process
-                (ppo_multinode.py loads them whole; the reward model lives on the main process only).
-  gradients     float32, one per trained parameter (all of policy and value model; under LoRA the adapters and the
-                value head); ZeRO-2/3 divide them by the processes; DDP on several processes adds its all-reduce
-                buckets, a second copy. Freed after every optimizer step (`zero_grad` sets them to None).
-  optimizer     AdamW's two float32 moments per trained parameter; ZeRO divides them by the processes.
-  autocast      under bf16 without gradient checkpointing: a bf16 copy of every weight the training forward uses,
-                held until the backward pass (autocast caches the copies of trained weights; a frozen weight's copy
-                is kept by autograd for the gradient of its input), 2 bytes per parameter of policy and value model.
-                With checkpointing the copies are made and dropped layer by layer: not counted.
-  activations   what the training forward keeps for the backward, for one microbatch (micro_batch_size rows of
-                query_length + response_length tokens), in both backbones (policy and value model). Counted per
-                token and decoder layer of a Llama-style layer (h hidden, kv key/value width, i MLP width), in bytes:
-                under bf16, 30 h + 4 kv + 8 i (two RMSNorms keep their float32 input and output, 16 h; q, k and v
-                each keep their own bf16 copy of the normed input, 6 h; attention keeps q, k, v, 2 h + 4 kv, and
-                its output, 2 h; gate and up their input copies, 4 h; SiLU, the product and down keep gate, up,
-                silu(gate) and the product, 8 i); in float32, 24 h + 8 kv + 16 i (one shared normed input, 4 bytes
-                each). With gradient checkpointing: each layer's float32 input (4 h) plus one layer recomputed.
-  logits        the LM head's output on the response positions of one microbatch (rows x response_length x
-                vocabulary): its float32 copy, the division by the temperature, log_softmax (kept for the backward)
-                and the gradient: 16 bytes per entry.
-  rollout       the no-grad forward passes of step (3) on `local_rollout_forward_batch_size` rows: the logits in
-                float32, divided, log_softmax: 12 bytes per entry (plus 2 under bf16 for the LM head's own output);
-                the KV cache of generation (all local rows, every layer, k and v) is counted here too.
+The planner (`predict`) adds up, for one process (`Setting.rank`; 0 is the main one), in bytes. Notation: h hidden
+width, i MLP width, kv key/value width, V vocabulary, L layers, "linears" the L (2 h^2 + 2 h kv + 3 h i) weights of
+one backbone's decoder layers (q, k, v, o, gate, up, down), B x T x V the logits of B rows of T response tokens.
+Precision: `precision` is the autocast of ppo.py (one process or DDP). Under ZeRO the planner counts float32
+throughout, as configs/deepspeed_zero2.yaml and deepspeed_zero3.yaml run (mixed_precision 'no'; DeepSpeed's own bf16
+mode, which would convert the weights, is not modelled).
+  weights       The trained models in float32: policy and value model whole under full fine-tuning; under LoRA the
+                adapters (and the value head's trained copy). Frozen weights (reference, reward model, and under LoRA
+                the base weights of policy and value model) have their decoder linears held in the autocast's dtype
+                (`cast_frozen_linears` with `frozen_dtype`): 2 bytes a parameter under bf16 on one process or DDP,
+                4 under fp32 or DeepSpeed; their embeddings, norms and heads (LM head, score) stay float32. With
+                `--lora_share_backbones` the reference is the policy and (not under ZeRO-3) the reward model is the
+                value model. ZeRO-3 (`zero_stage` 3, ppo_multinode.py with zero3_init_flag): policy and value model
+                are built partitioned, 1/N of them per process, and so is the reference (its own engine,
+                `shard_reference`); the reward model is whole, on the main process only. `multinode` (ppo_multinode.py
+                under any engine): only the main process loads the reward model; ppo.py loads it on every process.
+                DeepSpeed's stage-3 optimizer keeps no second float32 copy of float32 weights: its
+                fp32_partitioned_groups_flat are the parameter partitions themselves (stage3.py), so none is counted.
+  gradients     float32, one per trained parameter; ZeRO-2/3 divide them by the N processes (ZeRO-3: one flat buffer
+                of this process's partitions, kept between steps). DDP's gradients are views into its all-reduce
+                buckets (`gradient_as_bucket_view=True`): no second copy.
+  optimizer     AdamW's two float32 moments per trained parameter; ZeRO-2/3 divide them by N.
+  autocast      bf16 only: autocast caches a bf16 copy of each float32 weight that requires grad and goes through a
+                matmul, until the autocast region ends. In the training pass that region is accelerate's wrapper
+                around the prepared model's forward: the decoder linears of policy and value model under full
+                fine-tuning (the LM head and score head run with autocast off, embeddings are not cast), 2 x 2 bytes x
+                linears; under LoRA only the adapters, 2 x 2 bytes x adapter (frozen bf16 weights need no copy). The
+                copies are released when the forward returns; without checkpointing autograd keeps them until each
+                layer's backward. They are counted with checkpointing too: at the end of the forward of a microbatch
+                that follows an accumulated one (`--gradient_accumulation_steps` 2) the whole cache exists beside
+                that microbatch's kept activations, its log_softmax, the accumulated gradients and AdamW's moments.
+                The rollout's scoring region caches the same copies (same shapes, freed before training).
+  activations   What the training forward keeps for the backward, for one microbatch (micro_batch_size rows of
+                query_length + response_length tokens), in both backbones (policy and value model), counted per token
+                from transformers' Llama code (LlamaDecoderLayer, LlamaRMSNorm, LlamaAttention with sdpa, LlamaMLP;
+                the residual stream is float32 because the embeddings are) and checked against the tensors autograd
+                saves in one layer of a small Llama (saved_tensors_hooks, bf16 and float32: exactly these bytes). Per
+                token and layer, under bf16, 34 h + 8 i + 4 heads + 8 bytes: each RMSNorm keeps its float32 input and
+                normalized value (x and x * rsqrt: 16 h for both, 4 bytes of rsqrt each); q, k and v each keep their
+                own bf16 cast of the normed input, 6 h; sdpa keeps q, k and v in bf16, 6 h, its output, 2 h, which
+                is also o_proj's input (the check found no second copy: q keeps the projection's token-major layout
+                through RoPE, so the output's transpose back is already contiguous), and its logsumexp, 4 bytes a
+                head; k and v are at full width because with an attention mask (any padded row) transformers
+                repeats them over the heads (repeat_kv) before sdpa; gate and up keep their input casts, 4 h; SiLU,
+                the product and down keep gate, up, silu(gate) and the product, 8 i. RoPE keeps only cos and sin
+                (shared by the layers). In float32, 40 h + 16 i + 4 heads + 8 bytes: the two norms' inputs and
+                normalized values (16 h), their two weighted outputs, each kept once and shared by the projections
+                that read it (8 h: the term the first version of this planner missed), q, k, v and the sdpa output
+                (16 h), gate, up, silu(gate) and the product (16 i). Under LoRA the norm weights are frozen, so
+                the normalized values are not kept (8 h less: autograd saves a product's factor only for a gradient
+                that is needed). Plus 12 h a token for the final norm (its input, normalized value and the output
+                the head keeps). With gradient checkpointing: each layer's float32 input (4 h) plus one layer
+                recomputed in the backward, plus the final norm's 12 h.
+  logits        `response_logprobs` runs the LM head on at most max(1, chunk_entries // V) of the rows x T
+                response positions at a time (chunk_entries = 2^24), in float32 with autocast off (no bf16 logits). Per chunk of C entries: the float32 logits, divided by the temperature, log_softmax;
+                with gradient log_softmax's output is kept for the backward (4 bytes an entry of every chunk), the
+                logits and their divided copy are freed; the entropy (no grad) makes exp() and a product. Training
+                pass: 4 x micro_batch_size x T x V (every chunk's log_softmax) + 8 x C (two temporaries of one chunk:
+                logits and divided copy, exp and product, or in the backward a chunk's incoming gradient and the
+                one it makes; the backward goes chunk by chunk).
+  rollout       The no-grad passes of step (3) on `local_rollout_forward_batch_size` rows (at most local_batch_size):
+                one chunk at a time, 12 x C (the previous chunk's log_softmax, still named, beside the new logits
+                and their divided copy; or log_softmax, exp and product). Generation's KV cache: all local rows,
+                query + response tokens, every layer; under bf16 keys are float32 (RoPE multiplies the bf16 k by
+                the float32 cos and sin, whose dtype follows the float32 embeddings) and values bf16, 4 + 2 bytes a
+                kv element pair; 4 + 4 in float32. Under bf16, the LM head's bf16 copy that generation's autocast
+                makes, 2 x V x h.
+  zero3         ZeRO-3's working buffers (`fit_deepspeed_config` sizes them from h): the module being computed,
+                gathered whole (at most the largest: the V x h embedding / LM head or a decoder layer), plus up to
+                0.9 h^2 more live or prefetched parameters; one reduce bucket of h^2 float32 elements; in the backward
+                a module's whole gradient before it is reduce-scattered (the tied embedding's waits from the head's
+                backward to the embedding's). 4 bytes each: 4 (2 x largest + 1.9 h^2) under full fine-tuning, the
+                gradient part left out under LoRA. Generation and the reference's engine gather layer by layer too.
   runtime       CPU only: Python, torch, transformers, the tokenizer and the dataset, measured (`measure`) as the peak
-                memory of a process that imports ppo.py and builds its prompts, nothing more. On a GPU
+                memory of a process that imports ppo.py and builds its prompts, nothing more (`predictions` adds for
+                ZeRO-3 a guess of what importing DeepSpeed adds, --deepspeed_runtime_gb). On a GPU
                 `torch.cuda.max_memory_allocated` has no such term (the CUDA context and the allocator's cache come
                 on top: leave 10% spare).
-Peak = runtime + weights + optimizer + rollout + (gradients + autocast + activations + logits). The rollout's and the
-training phase's transients are added, not the larger one taken: measured on the CPU (glibc's heap, which ppo.py
-tells never to hand memory back: `tune_cpu_allocator`), the memory the rollout frees is not reused for the training
-phase's tensors of other shapes (taking the larger of the two missed the LoRA modes by 28-35%). On a GPU, PyTorch's
-caching allocator may reuse more: there the sum is an upper bound.
-Not modelled: DeepSpeed's and FSDP's own buffers (flattened copies, prefetch) and their own bf16 (without autocast),
-LoRA's small extras (its layers' rank-r activations), the reward model's scoring pass (smaller than the rollout's),
-evaluation (the same shapes as a rollout with --eval_prompts rows).
+Peak = runtime + weights + optimizer + rollout + zero3 + (gradients + autocast + activations + logits). The rollout's
+and the training phase's transients are added, not the larger one taken: measured on the CPU (glibc's heap, which
+ppo.py tells never to hand memory back: `tune_cpu_allocator`), the memory the rollout frees is not reused for the
+training phase's tensors of other shapes (taking the larger of the two missed the LoRA modes by 28-35%). On a GPU,
+PyTorch's caching allocator may reuse more: there the sum is an upper bound. Within the training phase the terms do
+coexist (the end of an accumulated microbatch's forward, above); with checkpointing the recomputed layer comes only
+in the backward, after the autocast copies are gone, so there the sum is an upper bound by that layer.
+Not modelled: FSDP (configs/fsdp.yaml; `zero_stage` covers DeepSpeed only), DeepSpeed's bf16, DDP's start-up
+broadcast buffers, LoRA's small extras (its layers' rank-r activations, the score head's frozen original), the
+no-grad passes' layer temporaries (one layer of a rollout chunk at a time), the reward model's scoring pass (no
+vocabulary-sized tensor), evaluation (the same shapes as a rollout with eval_prompts / N rows), parameters under
+10 h elements that ZeRO-3 keeps whole (norm weights; counted as partitioned).
 """
 
 import argparse
@@ -70,6 +121,9 @@ MODELS = {
                         intermediate_size=13824, vocab_size=32000, tie_word_embeddings=False),
     "tiny": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                  intermediate_size=128, vocab_size=49152, tie_word_embeddings=True),  # utils_test.build_tiny_model
+    # benchmarks/memory_scale.py's model: GPT-2-small-shaped Llama with SmolLM2's vocabulary (152M parameters)
+    "llama-150m": dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12, num_key_value_heads=12,
+                       intermediate_size=3072, vocab_size=49152, tie_word_embeddings=True),
 }
 
 
@@ -82,13 +136,16 @@ class Setting:
     local_batch_size: int = 32  # rollouts per process and update
     micro_batch_size: int = 8  # rows per training forward pass
     local_rollout_forward_batch_size: int = 32
-    precision: str = "bf16"  # the autocast: bf16 or fp32
+    precision: str = "bf16"  # the autocast: bf16 or fp32 (ZeRO: counted as fp32, see the docstring)
     lora_r: int = 0
     lora_share_backbones: bool = True
     gradient_checkpointing: bool = False
     processes: int = 1
-    zero_stage: int = 0  # 0: DDP (or one process); 2 or 3: DeepSpeed ZeRO
+    zero_stage: int = 0  # 0: DDP (or one process); 2: ZeRO-2; 3: ZeRO-3 as ppo_multinode.py runs it (partitioned)
     runtime_gb: float = 0.0  # CPU: measured (see `measure`); GPU: 0
+    multinode: bool = False  # ppo_multinode.py: the reward model on the main process only
+    rank: int = 0  # the process predicted: 0, the main one, holds the reward model
+    chunk_entries: int = 2**24  # response_logprobs' logits per chunk
 
 
 def parameter_counts(m, lora_r):
@@ -103,34 +160,60 @@ def parameter_counts(m, lora_r):
     return policy, value, adapter
 
 
+def chunk_rows(rows, response_length, vocab, chunk_entries=2**24):
+    """Rows of one `response_logprobs` chunk, as a fraction where it holds less than one row: it takes
+    max(1, chunk_entries // V) of the rows x T positions at a time."""
+    return min(rows * response_length, max(1, chunk_entries // vocab)) / response_length
+
+
 def predict(m, s):
-    """The planner: {term: bytes} for the main process (the terms are explained in the module docstring)."""
+    """The planner: {term: bytes} for process `s.rank` (the terms are explained in the module docstring)."""
     h, i, layers, vocab = m["hidden_size"], m["intermediate_size"], m["num_hidden_layers"], m["vocab_size"]
-    kv = m["num_key_value_heads"] * h // m["num_attention_heads"]
+    heads = m["num_attention_heads"]
+    kv = m["num_key_value_heads"] * h // heads
     policy, value, adapter = parameter_counts(m, s.lora_r)
-    lora, bf16 = s.lora_r > 0, s.precision == "bf16"
-    shard = s.processes if s.zero_stage == 3 else 1
+    linears = layers * (2 * h * h + 2 * h * kv + 3 * h * i)  # one backbone's decoder linears
+    lora = s.lora_r > 0
+    bf16 = s.precision == "bf16" and s.zero_stage == 0  # the ZeRO configs run float32
+    zero3 = s.zero_stage == 3
+    shard = s.processes if zero3 else 1  # ZeRO-3 partitions the weights of policy, value model and reference
+    split = s.processes if s.zero_stage >= 2 else 1  # ZeRO-2/3 partition gradients and optimizer states
+    linear_bytes = 2 if bf16 else 4  # cast_frozen_linears: frozen decoder linears in the autocast's dtype
+
+    def frozen(params):  # bytes of a frozen model: decoder linears in the autocast's dtype, the rest float32
+        return linear_bytes * linears + 4 * (params - linears)
+
     share_ref = lora and s.lora_share_backbones
-    share_reward = share_ref and s.zero_stage != 3
+    share_reward = share_ref and not zero3
+    reward_here = s.rank == 0 or not s.multinode
     trained = 2 * adapter + h if lora else policy + value
-    weights = (policy + value + 2 * adapter * lora) / shard + (0 if share_ref else policy) + (0 if share_reward
-                                                                                              else value)
-    split = s.processes if s.zero_stage >= 2 else 1
-    ddp_buckets = 2 if s.zero_stage == 0 and s.processes > 1 else 1
+    trained_models = frozen(policy) + frozen(value) + 4 * trained if lora else 4 * (policy + value)
+    weights = (trained_models + (0 if share_ref else frozen(policy))) / shard
+    weights += 0 if share_reward or not reward_here else frozen(value)
+
     tokens = s.micro_batch_size * (s.query_length + s.response_length)
-    matmul_bytes = 2 if bf16 else 4
-    layer = 30 * h + 4 * kv + 8 * i if bf16 else 24 * h + 8 * kv + 16 * i  # bytes a token, see the docstring
-    per_token = layers * 4 * h + layer if s.gradient_checkpointing else layers * layer
-    rollout_rows = s.local_rollout_forward_batch_size * s.response_length * vocab
+    norm_values = 0 if lora else 8 * h  # the normalized values, kept for the norm weights' gradient
+    if bf16:
+        layer = 26 * h + norm_values + 8 * i + 4 * heads + 8  # bytes a token, see the docstring
+    else:
+        layer = 32 * h + norm_values + 16 * i + 4 * heads + 8
+    final_norm = 12 * h
+    per_token = (layers * 4 * h + layer if s.gradient_checkpointing else layers * layer) + final_norm
+
+    train_chunk = chunk_rows(s.micro_batch_size, s.response_length, vocab, s.chunk_entries)
+    rollout_rows = min(s.local_rollout_forward_batch_size, s.local_batch_size)
+    rollout_chunk = chunk_rows(rollout_rows, s.response_length, vocab, s.chunk_entries)
+    kv_cache = s.local_batch_size * (s.query_length + s.response_length) * layers * kv * (4 + (2 if bf16 else 4))
+    largest = max(vocab * h, linears // layers)  # ZeRO-3: the largest module gathered whole
     terms = {
-        "weights": 4 * weights,
+        "weights": weights,
         "optimizer": 8 * trained / split,
-        "gradients": 4 * trained / split * ddp_buckets,
-        "autocast": 2 * (policy + value) / shard if bf16 and not s.gradient_checkpointing else 0,
+        "gradients": 4 * trained / split,
+        "autocast": 2 * 2 * (adapter if lora else linears) if bf16 else 0,
         "activations": 2 * tokens * per_token,
-        "logits": 16 * s.micro_batch_size * s.response_length * vocab,
-        "rollout": (12 + 2 * bf16) * rollout_rows
-        + s.local_batch_size * (s.query_length + s.response_length) * layers * 2 * kv * matmul_bytes,
+        "logits": 4 * s.micro_batch_size * s.response_length * vocab + 8 * train_chunk * s.response_length * vocab,
+        "rollout": 12 * rollout_chunk * s.response_length * vocab + kv_cache + (2 * vocab * h if bf16 else 0),
+        "zero3": 4 * ((1 if lora else 2) * largest + 1.9 * h * h) if zero3 else 0,
         "runtime": s.runtime_gb * GB,
     }
     terms["peak"] = sum(terms.values())
@@ -215,16 +298,22 @@ TABLE_SETTING = Setting(query_length=512, response_length=128, local_batch_size=
 
 
 def table(args):
+    """README's table. The ZeRO-3 columns are ppo_multinode.py under configs/deepspeed_zero3.yaml on 8 processes:
+    float32 (the config's mixed_precision 'no'), policy, value model and reference partitioned, the reward model whole
+    on the main process, whose peak is shown."""
     layouts = [("full", 1, 0, 0, False), ("full + ckpt", 1, 0, 0, True), ("LoRA r16 + shared + ckpt", 1, 0, 16, True),
-               ("full + ckpt, ZeRO-3 x 8", 8, 3, 0, True), ("LoRA r16 + ckpt, ZeRO-3 x 8", 8, 3, 16, True)]
-    print(f"Setting: {TABLE_SETTING} (per process). Each cell: the planned peak of the main process, GB = 2^30 bytes,"
-          " and the smallest of 24, 40, 80 GB GPUs it fits (peak <= 0.9 x the GPU's memory), or none.\n")
+               ("full + ckpt, ZeRO-3 x 8 (fp32)", 8, 3, 0, True),
+               ("LoRA r16 + ckpt, ZeRO-3 x 8 (fp32)", 8, 3, 16, True)]
+    print(f"Setting: {TABLE_SETTING} (per process; bf16 autocast on one process, float32 under ZeRO-3). Each cell: "
+          "the planned peak of the main process, GB = 2^30 bytes, and the smallest of 24, 40, 80 GB GPUs it fits "
+          "(peak <= 0.9 x the GPU's memory), or none.\n")
     print("| model | " + " | ".join(name for name, *_ in layouts) + " |\n|---|" + "---|" * len(layouts))
     for model in ("llama-3.2-1b", "llama-2-7b", "llama-2-13b"):
         cells = []
         for name, processes, zero, lora_r, ckpt in layouts:
             s = dataclasses.replace(TABLE_SETTING, processes=processes, zero_stage=zero, lora_r=lora_r,
-                                    gradient_checkpointing=ckpt)
+                                    gradient_checkpointing=ckpt, multinode=zero == 3,
+                                    precision="fp32" if zero == 3 else TABLE_SETTING.precision)
             peak = predict(MODELS[model], s)["peak"] / GB
             fits = [gpu for gpu in (24, 40, 80) if peak <= 0.9 * gpu]
             cells.append(f"{peak:.0f} GB: " + (f"**{fits[0]} GB**" if fits else "none"))
@@ -238,8 +327,79 @@ def plan(args):
                 local_rollout_forward_batch_size=args.local_rollout_forward_batch_size, precision=args.precision,
                 lora_r=args.lora_r, lora_share_backbones=not args.no_share,
                 gradient_checkpointing=args.gradient_checkpointing, processes=args.processes,
-                zero_stage=args.zero_stage)
+                zero_stage=args.zero_stage, multinode=args.multinode, rank=args.rank, runtime_gb=args.runtime_gb)
     print(show(predict(m, s)))
+
+
+def last_runtime_gb():
+    """The runtime term of the last `measure` (benchmarks/results/memory.json), or 0 without one."""
+    try:
+        with open(os.path.join(HERE, "benchmarks", "results", "memory.json")) as f:
+            return json.load(f)["setting"]["runtime_gb"]
+    except (OSError, KeyError, ValueError):
+        return 0.0
+
+
+def unchunked_scoring_bytes(rows, response_length, vocab):
+    """The logits part of one no-grad scoring pass as ppo.py ran it before chunking, every (rows, T, V) tensor it made
+    counted (float32 logits, the divided copy, log_softmax, the entropy's exp and product): 20 bytes an entry."""
+    return 20 * rows * response_length * vocab
+
+
+def chunked_scoring_bytes(rows, response_length, vocab, chunk_entries=2**24):
+    """The logits part's peak of one no-grad `response_logprobs` call: 12 bytes an entry of one chunk (docstring)."""
+    return 12 * chunk_rows(rows, response_length, vocab, chunk_entries) * response_length * vocab
+
+
+def predictions(args):
+    """The planner's peaks for runs not yet measured, written to benchmarks/results/memory_predictions.json."""
+    gb = lambda terms: {k: v / GB for k, v in terms.items()}  # noqa: E731
+    smollm = []
+    for name in MODES:
+        s = Setting(precision="bf16", lora_r=16 if "LoRA" in name else 0, lora_share_backbones="shared" in name,
+                    gradient_checkpointing="checkpointing" in name, runtime_gb=args.runtime_gb)
+        terms = predict(MODELS["smollm2-135m"], s)
+        smollm.append({"mode": name, "flags": MODES[name], "setting": dataclasses.asdict(s),
+                       "peak_gb": terms["peak"] / GB, "terms_gb": gb(terms)})
+    # ppo_multinode.py defaults on 2 processes (derive_sizes): batch 32 -> 16 rollouts a process, 2 minibatches of
+    # 8, 2 accumulation steps: microbatches of 4 rows; the rollout forward batch (32) is capped by the 16 local rows.
+    scale = []
+    deepspeed_runtime = args.runtime_gb + args.deepspeed_runtime_gb
+    for engine, zero, runtime in (("ddp", 0, args.runtime_gb), ("zero3", 3, deepspeed_runtime)):
+        for rank in (0, 1):
+            s = Setting(local_batch_size=16, micro_batch_size=4, precision="fp32", processes=2, zero_stage=zero,
+                        multinode=True, rank=rank, runtime_gb=runtime)
+            terms = predict(MODELS["llama-150m"], s)
+            scale.append({"engine": engine, "rank": rank, "setting": dataclasses.asdict(s),
+                          "peak_gb": terms["peak"] / GB, "terms_gb": gb(terms)})
+    m = MODELS["llama-3.2-1b"]
+    rows, length, vocab = 32, 512, m["vocab_size"]
+    scoring = {"model": "llama-3.2-1b", "hidden_size": m["hidden_size"], "vocab_size": vocab, "rows": rows,
+               "response_length": length, "chunk_entries": 2**24,
+               "chunk_rows": chunk_rows(rows, length, vocab),
+               "chunked_logits_peak_bytes": chunked_scoring_bytes(rows, length, vocab),
+               "unchunked_logits_bytes": unchunked_scoring_bytes(rows, length, vocab),
+               "note": "no-grad response_logprobs, the logits part alone. Chunked: 12 bytes an entry of one chunk (one "
+                       "chunk: chunk_entries // V = 130 positions of V logits, 16.7M entries). "
+                       "Unchunked: the float32 logits, the divided copy, log_softmax, exp and product, 4 bytes an "
+                       "entry each of B x T x V, all counted."}
+    out = {"written": "before any measurement, by `python benchmarks/memory.py predictions`",
+           "units": "GB = 2^30 bytes, per process",
+           "runtime_gb": args.runtime_gb, "deepspeed_runtime_gb": args.deepspeed_runtime_gb,
+           "deepspeed_runtime_note": "a guess: the extra memory of importing deepspeed and its CPU accelerator",
+           "smollm2_135m_ppo_bf16_one_process": smollm, "llama_150m_ppo_multinode_fp32_two_processes": scale,
+           "scoring_128k_vocabulary": scoring}
+    path = os.path.join(HERE, "benchmarks", "results", "memory_predictions.json")
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(out, f, indent=2)
+    for row in smollm:
+        print(f"smollm2-135m, {row['mode']}: {show({k: v * GB for k, v in row['terms_gb'].items()})}")
+    for row in scale:
+        terms = {k: v * GB for k, v in row["terms_gb"].items()}
+        print(f"llama-150m, {row['engine']}, rank {row['rank']}: {show(terms)}")
+    print(f"128k scoring, logits part: chunked {scoring['chunked_logits_peak_bytes']} bytes, unchunked "
+          f"{scoring['unchunked_logits_bytes']} bytes; written to {path}")
 
 
 if __name__ == "__main__":
@@ -254,11 +414,19 @@ if __name__ == "__main__":
     p.add_argument("--precision", default="bf16", choices=["bf16", "fp32"])
     p.add_argument("--no_share", action="store_true", help="LoRA without shared backbones")
     p.add_argument("--gradient_checkpointing", action="store_true")
+    p.add_argument("--multinode", action="store_true", help="ppo_multinode.py: the reward model on the main process")
+    p.add_argument("--rank", type=int, default=0, help="the process to predict (0: the main one)")
+    p.add_argument("--runtime_gb", type=float, default=0.0)
     m = sub.add_parser("measure", help="SmolLM2 in 5 modes on this CPU against the plan")
     m.add_argument("--sft_model_path", default="runs/imdb/sft")
     m.add_argument("--reward_model_path", default="runs/imdb/reward")
     m.add_argument("--mixed_precision", default="bf16", choices=["bf16", "no"])
     m.add_argument("--replan", action="store_true", help="keep the last run's measurements, redo the plan")
     sub.add_parser("table", help="README's table")
+    r = sub.add_parser("predictions", help="write benchmarks/results/memory_predictions.json")
+    r.add_argument("--runtime_gb", type=float, default=last_runtime_gb(),
+                   help="the runtime term (default: the last `measure`'s, benchmarks/results/memory.json)")
+    r.add_argument("--deepspeed_runtime_gb", type=float, default=0.3,
+                   help="added to the runtime under ZeRO-3: importing deepspeed and its CPU accelerator (a guess)")
     parsed = parser.parse_args()
-    {"plan": plan, "measure": measure, "table": table}[parsed.command](parsed)
+    {"plan": plan, "measure": measure, "table": table, "predictions": predictions}[parsed.command](parsed)
