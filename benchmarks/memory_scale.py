@@ -1,16 +1,20 @@
-"""Peak memory per process of one `ppo_multinode.py` update on 2 CPU processes, DDP against ZeRO-3, with a ~150M
-GPT-2-small-shaped Llama (12 layers, 768 wide, 12 heads, MLP 3072, SmolLM2's 49,152-token vocabulary, tied
-embeddings: 152M parameters), float32, random weights (memory does not depend on them).
+"""Peak memory per process at scale, on the CPU (issue 30's two measurements), with random weights (memory does not
+depend on them) and SmolLM2's tokenizer:
 
-    python benchmarks/memory_scale.py                 # both engines, ~10 min on 2 cores
-    python benchmarks/memory_scale.py --engines zero3
+    python benchmarks/memory_scale.py zero3       # ppo_multinode.py, 2 processes, DDP against ZeRO-3 (~10 min)
+    python benchmarks/memory_scale.py lora        # ppo.py, LoRA r16 + shared backbones, bf16, a ~0.5B model
+    python benchmarks/memory_scale.py lora --repo /path/to/an/older/checkout   # the same run with older code
 
-Each engine is one `accelerate launch` of 2 processes (DDP over gloo; ZeRO-3 on DeepSpeed's CPU accelerator), the
-PPO shapes of the defaults (32 rollouts of 24 + 32 tokens, 2 minibatches x 2 microbatches, 2 epochs) and the evaluation
-of 32 prompts before and after. Every process writes its own peak RSS (VmHWM of /proc/self/status) when it ends; the
-table shows both processes (the main one also holds the reward model) and the largest against DDP's. Results go to
-benchmarks/results/memory_scale.json. Measure alone: another job on the two cores does not change RSS, but this
-script's own two processes then take twice as long.
+`zero3`: a 151M GPT-2-small-shaped Llama (12 layers, 768 wide, 12 heads, MLP 3072, 49,152-token vocabulary, tied
+embeddings), float32, one `ppo_multinode.py` update of the default shapes (32 rollouts of 24 + 32 tokens, 2
+minibatches x 2 microbatches, 2 epochs) and the evaluation of 32 prompts before and after; each engine one
+`accelerate launch` of 2 processes (DDP over gloo; ZeRO-3 on DeepSpeed's CPU accelerator, configs/deepspeed_zero3.yaml).
+Every process writes its own peak RSS (VmHWM) when it ends: the main process also holds the reward model.
+`lora`: a 0.49B Llama (24 layers, 1024 wide, 16 heads, 4 key/value heads, MLP 5120, the same vocabulary, tied), one
+`ppo.py` update of the default shapes with `--lora_r 16` (shared backbones) under bf16, one process, its peak RSS
+from the kernel (wait4), where the frozen base is most of the memory.
+Results go to benchmarks/results/memory_scale.json (one key per experiment and code). Measure alone: another job on
+the two cores does not change RSS, but makes the runs take longer.
 """
 
 import argparse
@@ -24,9 +28,14 @@ HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GB = 1024**3
 sys.path.insert(0, HERE)
 
+SHAPES = {"zero3": dict(hidden_size=768, intermediate_size=3072, num_hidden_layers=12, num_attention_heads=12,
+                        num_key_value_heads=12),
+          "lora": dict(hidden_size=1024, intermediate_size=5120, num_hidden_layers=24, num_attention_heads=16,
+                       num_key_value_heads=4)}
+
 # A driver that runs ppo_multinode.py's main exactly as its __main__ does, then writes this process's VmHWM.
 DRIVER = '''import atexit, os, sys
-sys.path.insert(0, {here!r})
+sys.path.insert(0, {repo!r})
 sys.argv = ["ppo_multinode.py"] + sys.argv[1:]
 
 
@@ -44,21 +53,20 @@ ppo_multinode.run_as_command(ppo_multinode.main, tyro.cli(ppo_multinode.Args))
 '''
 
 
-def build_models(folder):
-    """The policy (LlamaForCausalLM) and reward model (LlamaForSequenceClassification, reward_bias 0) of the shape
-    above, with the SmolLM2 tokenizer, in `folder`/policy and `folder`/rm."""
+def build_models(folder, shape):
+    """A random policy (LlamaForCausalLM) and reward model (LlamaForSequenceClassification, reward_bias 0) of
+    `shape` with the SmolLM2 tokenizer, in `folder`/policy and `folder`/rm."""
     import torch
     from accelerate import PartialState
     from transformers import LlamaConfig, LlamaForCausalLM, LlamaForSequenceClassification
 
-    import ppo_multinode
+    import ppo
 
     PartialState(cpu=True)
-    tokenizer = ppo_multinode.load_tokenizer(ppo_multinode.DEFAULT_MODEL)
-    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=768, intermediate_size=3072, num_hidden_layers=12,
-                         num_attention_heads=12, num_key_value_heads=12, max_position_embeddings=512,
-                         tie_word_embeddings=True, pad_token_id=tokenizer.pad_token_id, num_labels=1,
-                         eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id)
+    tokenizer = ppo.load_tokenizer(ppo.DEFAULT_MODEL)
+    config = LlamaConfig(vocab_size=len(tokenizer), max_position_embeddings=512, tie_word_embeddings=True,
+                         pad_token_id=tokenizer.pad_token_id, num_labels=1, eos_token_id=tokenizer.eos_token_id,
+                         bos_token_id=tokenizer.bos_token_id, **shape)
     torch.manual_seed(0)
     policy = LlamaForCausalLM(config)
     print(f"model: {sum(p.numel() for p in policy.parameters()) / 1e6:.1f}M parameters", flush=True)
@@ -70,13 +78,19 @@ def build_models(folder):
     tokenizer.save_pretrained(os.path.join(folder, "rm"))
 
 
-def launch(engine, work, models):
-    """One 2-process update under `engine` (ddp, zero3); returns the peak RSS (bytes) of rank 0 and rank 1."""
+def common_flags(models, out, name):
+    return ["--sft_model_path", os.path.join(models, "policy"), "--reward_model_path", os.path.join(models, "rm"),
+            "--total_episodes", "32", "--eval_every", "100", "--output_dir", os.path.join(out, "model"),
+            "--log_dir", os.path.join(out, "tb"), "--run_name", name]
+
+
+def launch_two(engine, repo, work, models):
+    """One 2-process ppo_multinode.py update under `engine` (ddp, zero3); the peak RSS (bytes) of rank 0 and 1."""
     out = os.path.join(work, engine)
     os.makedirs(out, exist_ok=True)
     driver = os.path.join(work, "driver.py")
     with open(driver, "w") as f:
-        f.write(DRIVER.format(here=HERE, out=out))
+        f.write(DRIVER.format(repo=repo, out=out))
     launcher = [sys.executable, "-m", "accelerate.commands.launch", "--num_machines", "1", "--mixed_precision", "no",
                 "--dynamo_backend", "no", "--num_processes", "2", "--num_cpu_threads_per_process", "1",
                 "--main_process_port", "0"]
@@ -86,40 +100,57 @@ def launch(engine, work, models):
         launcher.append("--multi_gpu")
         env["ACCELERATE_USE_CPU"] = "true"
     else:
-        launcher += ["--config_file", os.path.join(HERE, "configs", "deepspeed_zero3.yaml")]
-    flags = ["--sft_model_path", os.path.join(models, "policy"), "--reward_model_path", os.path.join(models, "rm"),
-             "--total_episodes", "32", "--eval_every", "100", "--mixed_precision", "no",
-             "--output_dir", os.path.join(out, "model"), "--log_dir", os.path.join(out, "tb"), "--run_name", engine]
+        launcher += ["--config_file", os.path.join(repo, "configs", "deepspeed_zero3.yaml")]
+    flags = common_flags(models, out, engine) + ["--mixed_precision", "no"]
     with open(os.path.join(out, "output.txt"), "w") as log:
-        proc = subprocess.run(launcher + [driver] + flags, cwd=HERE, env=env, stdout=log, stderr=subprocess.STDOUT)
+        proc = subprocess.run(launcher + [driver] + flags, cwd=repo, env=env, stdout=log, stderr=subprocess.STDOUT)
     if proc.returncode != 0:
         raise SystemExit(f"{engine} run failed: see {os.path.join(out, 'output.txt')}")
     return [int(open(os.path.join(out, f"rank{r}.json")).read()) for r in range(2)]
 
 
+def run_lora(repo, work, models):
+    """One ppo.py update with LoRA r16 and shared backbones in bf16, one process; its peak RSS in bytes."""
+    out = os.path.join(work, "lora")
+    command = [sys.executable, "ppo.py", *common_flags(models, out, "lora"), "--mixed_precision", "bf16",
+               "--lora_r", "16"]
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+    with open(os.path.join(work, "lora_output.txt"), "w") as log:
+        proc = subprocess.Popen(command, cwd=repo, env=env, stdout=log, stderr=subprocess.STDOUT)
+        _, status, usage = os.wait4(proc.pid, 0)
+    if status != 0:
+        raise SystemExit(f"lora run failed: see {os.path.join(work, 'lora_output.txt')}")
+    return usage.ru_maxrss * 1024  # Linux reports kilobytes
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("experiment", choices=["zero3", "lora"])
     parser.add_argument("--engines", nargs="+", default=["ddp", "zero3"], choices=["ddp", "zero3"])
+    parser.add_argument("--repo", default=HERE, help="the checkout whose scripts run (default: this one)")
     parser.add_argument("--work", default=None, help="folder for the models and runs (default: a new temp folder)")
     args = parser.parse_args()
     work = args.work or tempfile.mkdtemp(prefix="memory_scale_")
-    models = os.path.join(work, "models")
+    models = os.path.join(work, f"models_{args.experiment}")
     if not os.path.isdir(os.path.join(models, "rm")):
-        build_models(models)
-    results = {}
-    for engine in args.engines:
-        results[engine] = launch(engine, work, models)
-        print(f"{engine}: peak RSS rank 0 {results[engine][0] / GB:.2f} GB, rank 1 {results[engine][1] / GB:.2f} GB",
-              flush=True)
-    print("\n| engine (2 CPU processes, 152M Llama, float32, one update) | rank 0 | rank 1 | largest / DDP's |\n"
-          "|---|---|---|---|")
-    for engine, peaks in results.items():
-        ratio = f"{max(peaks) / max(results['ddp']):.2f}x" if "ddp" in results else "-"
-        print(f"| {engine} | {peaks[0] / GB:.2f} GB | {peaks[1] / GB:.2f} GB | {ratio} |")
+        build_models(models, SHAPES[args.experiment])
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=args.repo, capture_output=True,
+                            text=True).stdout.strip()
     path = os.path.join(HERE, "benchmarks", "results", "memory_scale.json")
+    results = json.load(open(path)) if os.path.exists(path) else {}
+    if args.experiment == "zero3":
+        for engine in args.engines:
+            peaks = launch_two(engine, args.repo, work, models)
+            results[f"zero3 experiment, {engine}, code {commit}"] = {"rank0_gb": peaks[0] / GB,
+                                                                      "rank1_gb": peaks[1] / GB}
+            print(f"{engine}: peak RSS rank 0 {peaks[0] / GB:.2f} GB, rank 1 {peaks[1] / GB:.2f} GB", flush=True)
+    else:
+        peak = run_lora(args.repo, work, models)
+        results[f"lora experiment, code {commit}"] = {"peak_gb": peak / GB}
+        print(f"LoRA r16 + shared backbones, bf16, 0.49B: peak RSS {peak / GB:.2f} GB (code {commit})", flush=True)
     os.makedirs(os.path.dirname(path), exist_ok=True)
     with open(path, "w") as f:
-        json.dump({engine: {"rank0_bytes": p[0], "rank1_bytes": p[1]} for engine, p in results.items()}, f, indent=2)
+        json.dump(results, f, indent=2)
 
 
 if __name__ == "__main__":

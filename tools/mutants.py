@@ -194,8 +194,8 @@ MUTANTS = [
              "        orders = [")],
            U + "test_minibatch_loop_is_epoch_major_and_reshuffled"),
     Mutant("logprobs-without-temperature", "ppo.py", "logprobs from logits not divided by the sampling temperature",
-           [("            all_logprobs = F.log_softmax(head(hidden[i : i + rows].float()) / temperature, dim=-1)",
-             "            all_logprobs = F.log_softmax(head(hidden[i : i + rows].float()), dim=-1)")],
+           [("            all_logprobs = F.log_softmax(head(hidden[i : i + n].float()) / temperature, dim=-1)",
+             "            all_logprobs = F.log_softmax(head(hidden[i : i + n].float()), dim=-1)")],
            U + "test_rollout_samples_from_softmax_of_logits_over_temperature[ppo]"),
     Mutant("score-read-at-mask-sum", "ppo.py", "the RM score read at mask.sum() - 1: a padding slot when left-padded",
            [("    last = (positions * attention_mask).argmax(1)  # index of the rightmost real token of each row",
@@ -307,6 +307,9 @@ MUTANTS = [
            [("get_state_dict(model) if sharded or accelerator.is_main_process else None",
              "get_state_dict(model)")],
            S + "test_zero2_saves_from_the_main_process_alone"),
+    Mutant("fsdp-whole-checkpoints", "configs/fsdp.yaml", "FSDP checkpoints gather the whole model and optimizer",
+           [("  fsdp_state_dict_type: SHARDED_STATE_DICT", "  fsdp_state_dict_type: FULL_STATE_DICT")],
+           S + "test_fsdp_resume_equals_uninterrupted[sft]"),
 ]
 
 
@@ -389,7 +392,8 @@ def judge(mutant, copy, scratch, timeout):
         with open(path, "w", encoding="utf-8") as f:
             f.write(mutated)
         try:
-            py_compile.compile(path, cfile=os.path.join(scratch, "compiled.pyc"), doraise=True)
+            if path.endswith(".py"):  # a config file (configs/*.yaml) is mutated as text
+                py_compile.compile(path, cfile=os.path.join(scratch, "compiled.pyc"), doraise=True)
         except py_compile.PyCompileError as error:
             return "broken", 0.0, f"the mutated {mutant.file} does not compile: {error}"
         outcomes, seconds, timed_out, tail = run_pytest(copy, [mutant.test], os.path.join(scratch, mutant.name),
