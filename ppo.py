@@ -1496,13 +1496,20 @@ def cast_frozen_linears(model, dtype):
     `dtype` (`frozen_dtype`); returns `model`. Autocast would cast their weights to that dtype at every use, so they
     compute exactly as before with half the memory and no per-use copy. The heads (LM head, score head) and what
     autocast runs in float32 (embeddings, norms) stay float32: the model computes what it computed before, and it
-    must run under autocast (a float32 input meets bf16 weights otherwise)."""
+    must run under autocast (a float32 input meets bf16 weights otherwise). The frozen float32 rest is copied out of
+    the checkpoint's memory map, which `from_pretrained` may leave the weights in: the map, and the float32 pages the
+    cast read, are then released (on the CPU they would stay resident beside the bf16 copies)."""
+    if dtype == torch.float32:
+        return model
     heads = [model.get_output_embeddings(), getattr(model, "score", None)]
     keep = {id(p) for head in heads if head is not None for p in head.parameters()}
     for module in model.modules():
         own = list(module.parameters(recurse=False))
         if (isinstance(module, torch.nn.Linear) and own and not any(p.requires_grad or id(p) in keep for p in own)):
             module.to(dtype)
+    for p in model.parameters():
+        if not p.requires_grad and p.dtype == torch.float32:
+            p.data = p.data.clone()
     return model
 
 

@@ -4,6 +4,7 @@ depend on them) and SmolLM2's tokenizer:
     python benchmarks/memory_scale.py zero3       # ppo_multinode.py, 2 processes, DDP against ZeRO-3 (~10 min)
     python benchmarks/memory_scale.py lora        # ppo.py, LoRA r16 + shared backbones, bf16, a ~0.5B model
     python benchmarks/memory_scale.py lora --repo /path/to/an/older/checkout   # the same run with older code
+    python benchmarks/memory_scale.py scoring     # the LM head's part of one no-grad scoring pass, 128k vocabulary
 
 `zero3`: a 151M GPT-2-small-shaped Llama (12 layers, 768 wide, 12 heads, MLP 3072, 49,152-token vocabulary, tied
 embeddings), float32, one `ppo_multinode.py` update of the default shapes (32 rollouts of 24 + 32 tokens, 2
@@ -13,6 +14,10 @@ Every process writes its own peak RSS (VmHWM) when it ends: the main process als
 `lora`: a 0.49B Llama (24 layers, 1024 wide, 16 heads, 4 key/value heads, MLP 5120, the same vocabulary, tied), one
 `ppo.py` update of the default shapes with `--lora_r 16` (shared backbones) under bf16, one process, its peak RSS
 from the kernel (wait4), where the frozen base is most of the memory.
+`scoring`: `response_logprobs` of the checkout's ppo.py, no gradient, on a stand-in model whose backbone returns
+fixed hidden states (width 256) and whose LM head has Llama-3's 128,256-token vocabulary: the peak resident memory
+of this process during the call above what it held before it (VmHWM reset through /proc/self/clear_refs), i.e.
+the logits' part alone, for `--rows` rows (default 32) of 512 response tokens.
 Results go to benchmarks/results/memory_scale.json (one key per experiment and code). Measure alone: another job on
 the two cores does not change RSS, but makes the runs take longer.
 """
@@ -123,28 +128,78 @@ def run_lora(repo, work, models):
     return usage.ru_maxrss * 1024  # Linux reports kilobytes
 
 
+def run_scoring(repo, rows, length=512, vocabulary=128256, width=256):
+    """Bytes the no-grad `response_logprobs` of `repo`'s ppo.py adds to this process's resident memory at its peak."""
+    import importlib.util
+    import types
+
+    import torch
+
+    spec = importlib.util.spec_from_file_location("ppo_under_test", os.path.join(repo, "ppo.py"))
+    ppo = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ppo)
+
+    class Backbone(torch.nn.Module):  # the hidden states are given: only the head's part is measured
+        def forward(self, input_ids, **kwargs):
+            return types.SimpleNamespace(last_hidden_state=self.hidden[: len(input_ids), : input_ids.shape[1]])
+
+    class StandIn(torch.nn.Module):
+        base_model_prefix = "model"
+
+        def __init__(self):
+            super().__init__()
+            self.model, self.lm_head = Backbone(), torch.nn.Linear(width, vocabulary, bias=False)
+
+        def get_output_embeddings(self):
+            return self.lm_head
+
+    torch.manual_seed(0)
+    model = StandIn()
+    model.model.hidden = torch.randn(rows, 8 + length, width)
+    ids = torch.randint(0, vocabulary, (rows, 8 + length))
+    mask = torch.ones_like(ids)
+
+    def rss(field):
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith(field)) * 1024
+
+    with torch.no_grad():
+        ppo.response_logprobs(model, ids[:1, :10], mask[:1, :10], 8, 0.7)  # first-call set-up, not counted
+        before = rss("VmRSS:")
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # peak resident memory := now
+        ppo.response_logprobs(model, ids, mask, 8, 0.7)
+        return rss("VmHWM:") - before
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("experiment", choices=["zero3", "lora"])
+    parser.add_argument("experiment", choices=["zero3", "lora", "scoring"])
+    parser.add_argument("--rows", type=int, default=32, help="scoring: rows of 512 response tokens")
     parser.add_argument("--engines", nargs="+", default=["ddp", "zero3"], choices=["ddp", "zero3"])
     parser.add_argument("--repo", default=HERE, help="the checkout whose scripts run (default: this one)")
     parser.add_argument("--work", default=None, help="folder for the models and runs (default: a new temp folder)")
     args = parser.parse_args()
-    work = args.work or tempfile.mkdtemp(prefix="memory_scale_")
-    models = os.path.join(work, f"models_{args.experiment}")
-    if not os.path.isdir(os.path.join(models, "rm")):
-        build_models(models, SHAPES[args.experiment])
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=args.repo, capture_output=True,
                             text=True).stdout.strip()
     path = os.path.join(HERE, "benchmarks", "results", "memory_scale.json")
     results = json.load(open(path)) if os.path.exists(path) else {}
+    if args.experiment == "scoring":
+        added = run_scoring(args.repo, args.rows)
+        results[f"scoring experiment, {args.rows} rows, code {commit}"] = {"added_gb": added / GB}
+        print(f"scoring pass, {args.rows} rows x 512 tokens x 128,256 logits: +{added / GB:.3f} GB (code {commit})")
+    else:
+        work = args.work or tempfile.mkdtemp(prefix="memory_scale_")
+        models = os.path.join(work, f"models_{args.experiment}")
+        if not os.path.isdir(os.path.join(models, "rm")):
+            build_models(models, SHAPES[args.experiment])
     if args.experiment == "zero3":
         for engine in args.engines:
             peaks = launch_two(engine, args.repo, work, models)
             results[f"zero3 experiment, {engine}, code {commit}"] = {"rank0_gb": peaks[0] / GB,
                                                                       "rank1_gb": peaks[1] / GB}
             print(f"{engine}: peak RSS rank 0 {peaks[0] / GB:.2f} GB, rank 1 {peaks[1] / GB:.2f} GB", flush=True)
-    else:
+    elif args.experiment == "lora":
         peak = run_lora(args.repo, work, models)
         results[f"lora experiment, code {commit}"] = {"peak_gb": peak / GB}
         print(f"LoRA r16 + shared backbones, bf16, 0.49B: peak RSS {peak / GB:.2f} GB (code {commit})", flush=True)
