@@ -54,6 +54,8 @@ def write_peak():
 atexit.register(write_peak)  # exit_process runs the atexit handlers before os._exit
 import tyro
 import ppo_multinode
+if os.environ.get("DEFAULT_MALLOC") == "1":  # glibc's own policy: freed memory goes back, phases do not add up
+    ppo_multinode.tune_cpu_allocator = lambda: False
 ppo_multinode.run_as_command(ppo_multinode.main, tyro.cli(ppo_multinode.Args))
 '''
 
@@ -89,7 +91,7 @@ def common_flags(models, out, name):
             "--log_dir", os.path.join(out, "tb"), "--run_name", name]
 
 
-def launch_two(engine, repo, work, models):
+def launch_two(engine, repo, work, models, default_malloc=False):
     """One 2-process ppo_multinode.py update under `engine` (ddp, zero3); the peak RSS (bytes) of rank 0 and 1."""
     out = os.path.join(work, engine)
     os.makedirs(out, exist_ok=True)
@@ -100,7 +102,8 @@ def launch_two(engine, repo, work, models):
                 "--dynamo_backend", "no", "--num_processes", "2", "--num_cpu_threads_per_process", "1",
                 "--main_process_port", "0"]
     env = {k: v for k, v in os.environ.items() if k != "ACCELERATE_USE_CPU"}
-    env.update(CUDA_VISIBLE_DEVICES="", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="1")
+    env.update(CUDA_VISIBLE_DEVICES="", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="1",
+               DEFAULT_MALLOC="1" if default_malloc else "0")
     if engine == "ddp":
         launcher.append("--multi_gpu")
         env["ACCELERATE_USE_CPU"] = "true"
@@ -176,6 +179,8 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("experiment", choices=["zero3", "lora", "scoring"])
     parser.add_argument("--rows", type=int, default=32, help="scoring: rows of 512 response tokens")
+    parser.add_argument("--default_malloc", action="store_true",
+                        help="zero3: leave glibc's malloc as it is (no `tune_cpu_allocator`)")
     parser.add_argument("--engines", nargs="+", default=["ddp", "zero3"], choices=["ddp", "zero3"])
     parser.add_argument("--repo", default=HERE, help="the checkout whose scripts run (default: this one)")
     parser.add_argument("--work", default=None, help="folder for the models and runs (default: a new temp folder)")
@@ -195,8 +200,9 @@ def main():
             build_models(models, SHAPES[args.experiment])
     if args.experiment == "zero3":
         for engine in args.engines:
-            peaks = launch_two(engine, args.repo, work, models)
-            results[f"zero3 experiment, {engine}, code {commit}"] = {"rank0_gb": peaks[0] / GB,
+            peaks = launch_two(engine, args.repo, work, models, args.default_malloc)
+            malloc = ", glibc's default malloc" if args.default_malloc else ""
+            results[f"zero3 experiment, {engine}, code {commit}{malloc}"] = {"rank0_gb": peaks[0] / GB,
                                                                       "rank1_gb": peaks[1] / GB}
             print(f"{engine}: peak RSS rank 0 {peaks[0] / GB:.2f} GB, rank 1 {peaks[1] / GB:.2f} GB", flush=True)
     elif args.experiment == "lora":

@@ -307,9 +307,6 @@ MUTANTS = [
            [("get_state_dict(model) if sharded or accelerator.is_main_process else None",
              "get_state_dict(model)")],
            S + "test_zero2_saves_from_the_main_process_alone"),
-    Mutant("fsdp-whole-checkpoints", "configs/fsdp.yaml", "FSDP checkpoints gather the whole model and optimizer",
-           [("  fsdp_state_dict_type: SHARDED_STATE_DICT", "  fsdp_state_dict_type: FULL_STATE_DICT")],
-           S + "test_fsdp_resume_equals_uninterrupted[sft]"),
 ]
 
 
