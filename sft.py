@@ -521,10 +521,10 @@ def load_tokenizer(name_or_path):
     return tokenizer
 
 
-def load_model(name_or_path, model_class, dtype=torch.float32, **kwargs):
-    """`model_class.from_pretrained(name_or_path)` in `dtype`, also for GGUF files, dropout off. Under ZeRO-3
+def load_model(name_or_path, model_class, **kwargs):
+    """`model_class.from_pretrained(name_or_path)` in float32, also for GGUF files, dropout off. Under ZeRO-3
     transformers builds it already partitioned (`deepspeed.zero.Init`; accelerate registers the DeepSpeed config
-    with it), so no process holds the whole model, and the engine's precision decides the partitions' dtype.
+    with it), so no process holds the whole model.
 
     A GGUF checkpoint is dequantized by transformers into a model that cannot be saved; it is rebuilt here from its
     config and state dict as an ordinary model of `model_class` (for a sequence-classification class the LM head is
@@ -536,7 +536,8 @@ def load_model(name_or_path, model_class, dtype=torch.float32, **kwargs):
     source, gguf_file = resolve_model_source(name_or_path)
     if gguf_file is None:
         config = AutoConfig.from_pretrained(source, **kwargs)
-        return disable_dropout(model_class.from_pretrained(source, config=disable_dropout(config), dtype=dtype))
+        return disable_dropout(model_class.from_pretrained(source, config=disable_dropout(config),
+                                                           dtype=torch.float32))
     with whole_model_loading():
         causal_lm = AutoModelForCausalLM.from_pretrained(source, gguf_file=gguf_file)
         config = causal_lm.config
@@ -546,7 +547,7 @@ def load_model(name_or_path, model_class, dtype=torch.float32, **kwargs):
             setattr(config, key, value)
         model = model_class.from_config(disable_dropout(config))
         model.load_state_dict(causal_lm.state_dict(), strict=model_class is AutoModelForCausalLM)
-    return disable_dropout(model).to(dtype)
+    return disable_dropout(model).float()
 
 
 @contextlib.contextmanager
@@ -938,7 +939,7 @@ def cast_frozen_linears(model, dtype):
     keep = {id(p) for head in heads if head is not None for p in head.parameters()}
     for module in model.modules():
         own = list(module.parameters(recurse=False))
-        if (isinstance(module, torch.nn.Linear) and own and not any(p.requires_grad or id(p) in keep for p in own)):
+        if isinstance(module, torch.nn.Linear) and own and not any(p.requires_grad or id(p) in keep for p in own):
             module.to(dtype)
     for p in model.parameters():
         if not p.requires_grad and p.dtype == torch.float32:

@@ -277,7 +277,7 @@ MUTANTS = [
              "    keep = set()")],
            Y + "test_a_frozen_model_in_bf16_computes_exactly_as_in_float32_under_autocast"),
     Mutant("frozen-norms-in-bf16", "ppo.py", "a frozen model's embeddings and norms held in bf16 (autocast: float32)",
-           [("        if (isinstance(module, torch.nn.Linear) and own", "        if (own")],
+           [("        if isinstance(module, torch.nn.Linear) and own and", "        if own and")],
            Y + "test_a_frozen_model_in_bf16_computes_exactly_as_in_float32_under_autocast"),
     Mutant("logits-in-bf16", "ppo.py", "logprobs from the autocast's bf16 logits",
            [("        with torch.autocast(hidden.device.type, enabled=False):  # float32 logits",
