@@ -470,6 +470,26 @@ def text_reward(samples, prompts, outputs, **kwargs):
     return ["good"] * len(samples)
 
 
+def raising_reward(samples, prompts, outputs, **kwargs):
+    """A plug-in reward with a bug: it raises, on the main process, the only one that calls it."""
+    raise KeyError("no such label")
+
+
+def test_a_reward_that_raises_on_the_main_process_stops_every_process_naming_it(tiny_model_dir, tmp_path):  # noqa: F811
+    """The other process hears the failure in the scatter it waits in, not from gloo noticing a dead peer (which
+    NCCL across nodes may do only at the collective timeout)."""
+    cmd = ACCELERATE + ["--multi_gpu", "--num_processes", "2", "--main_process_port", "0", "ppo_multinode.py",
+                        "--sft_model_path", tiny_model_dir, "--reward_fn", "fault_test:raising_reward",
+                        "--total_episodes", "8", "--batch_size", "8", "--query_length", "8", "--response_length", "4",
+                        "--eval_prompts", "4", "--output_dir", str(tmp_path / "out"), "--log_dir", str(tmp_path / "tb")]
+    proc = run(cmd, env={"ACCELERATE_USE_CPU": "true"}, check=False)
+    assert proc.returncode != 0
+    assert "KeyError: 'no such label'" in proc.stdout, proc.stdout[-3000:]  # the main process's own traceback
+    # the other process's one line (the two processes share the stream: the line may not start a line)
+    assert "error: the reward call on the main process raised KeyError('no such label')" in proc.stdout, proc.stdout
+    assert "closed its connection" not in proc.stdout and "timed out" not in proc.stdout
+
+
 def test_bad_input_gives_one_clear_error(tiny_model_dir, tiny_rm_dir, tmp_path):  # noqa: F811
     for name, cmd, message in bad_inputs(tiny_model_dir, tiny_rm_dir, tmp_path):
         out = str(tmp_path / "out")

@@ -269,7 +269,7 @@ def evaluate(accelerator, models, reward_fns, tokenizer, eval_queries, args, sto
         responses = rollout(models[0], query_ids, query_mask, args, stop_token_id, tokenizer.pad_token_id)
     response_mask = truncate_after_stop(responses, stop_token_id)
     with accelerator.autocast():
-        out = rollout_forward_passes(models, query_ids, query_mask, responses, response_mask, args)
+        out = rollout_forward_passes((*models[:2], None), query_ids, query_mask, responses, response_mask, args)
     judged = {}  # the reward's scores, then the judge's, of the same samples; torch's RNG as if neither had run
     with torch.random.fork_rng(devices=[accelerator.device] if accelerator.device.type == "cuda" else []):
         for name, fn in zip(("eval/scores", "eval/gold_scores"), reward_fns[: 1 + bool(args.eval_reward_fn)]):
@@ -301,8 +301,7 @@ def prompt_indices(update, num_prompts, batch_size, seed, process_index, num_pro
     """Indices (long) of the prompts this process answers in `update` (1-based), its slice of the global batch. Pass
     p over the prompts is a permutation seeded by `seed + p` (its last partial batch dropped), so the global batch
     depends only on the update: a resumed run, or one on another number of processes, sees the same prompts."""
-    per_pass = num_prompts // batch_size
-    epoch, k = divmod(update - 1, per_pass)
+    epoch, k = divmod(update - 1, num_prompts // batch_size)  # pass over the prompts, batch within it
     order = torch.randperm(num_prompts, generator=torch.Generator().manual_seed(seed + epoch))
     batch = order[k * batch_size : (k + 1) * batch_size]
     local = batch_size // num_processes
@@ -346,10 +345,9 @@ def truncate_after_stop(responses, stop_token_id):
 @torch.no_grad()
 def rollout_forward_passes(models, query_ids, query_mask, responses, response_mask, args):
     """The forward passes of step (3) in chunks of `local_rollout_forward_batch_size` rows: `logprobs`,
-    `ref_logprobs`, `values` (B, T) float32 of `models` = (policy, ref_policy, value_model)."""
+    `ref_logprobs`, `values` (B, T) float32 of `models` = (policy, ref_policy, value_model or None)."""
     policy, ref_policy, value_model = models
-    query_responses = torch.cat([query_ids, responses], 1)
-    attention_mask = torch.cat([query_mask, response_mask], 1)
+    query_responses, attention_mask = torch.cat([query_ids, responses], 1), torch.cat([query_mask, response_mask], 1)
     out = defaultdict(list)
     for i in range(0, len(query_ids), args.local_rollout_forward_batch_size):
         chunk = slice(i, i + args.local_rollout_forward_batch_size)
@@ -357,7 +355,8 @@ def rollout_forward_passes(models, query_ids, query_mask, responses, response_ma
         out["logprobs"].append(response_logprobs(policy, qr, am, query_ids.shape[1], args.temperature)[0])
         with adapters_off(ref_policy):  # under LoRA the reference is the policy, adapter off (`load_models`)
             out["ref_logprobs"].append(response_logprobs(ref_policy, qr, am, query_ids.shape[1], args.temperature)[0])
-        out["values"].append(token_values(value_model, qr, am, query_ids.shape[1]))
+        if value_model is not None:  # None: no values (evaluation)
+            out["values"].append(token_values(value_model, qr, am, query_ids.shape[1]))
     return {k: torch.cat(v) for k, v in out.items()}
 
 
@@ -366,8 +365,9 @@ def compute_scores(accelerator, reward_fn, tokenizer, query_ids, query_mask, res
     `response_mask` (B, T) long, decoded without special tokens, with `query_responses`, `attention_mask` (B, Q+T).
     Returns `(scores, (prompts, outputs), stats)`: scores (B,) float32 on this device, stats `{"time/reward_call":
     seconds, "reward/batch_size": B}`. A return value that is not B floats stops every process with one ValueError."""
-    prompts = tokenizer.batch_decode([q[m.bool()] for q, m in zip(query_ids, query_mask)], skip_special_tokens=True)
-    outputs = tokenizer.batch_decode([r[m.bool()] for r, m in zip(responses, response_mask)], skip_special_tokens=True)
+    q, q_mask, r, r_mask = (t.cpu() for t in (query_ids, query_mask, responses, response_mask))  # no sync per row
+    prompts = tokenizer.batch_decode([x[m.bool()] for x, m in zip(q, q_mask)], skip_special_tokens=True)
+    outputs = tokenizer.batch_decode([x[m.bool()] for x, m in zip(r, r_mask)], skip_special_tokens=True)
     start = time.perf_counter()
     with accelerator.autocast():
         scores = reward_fn([p + o for p, o in zip(prompts, outputs)], prompts, outputs,
@@ -1456,6 +1456,9 @@ def make_accelerator(args):
         raise ValueError("fp16 mixed precision does not run on the CPU (accelerate ignores it there); use "
                          "--mixed_precision bf16 or no.")
     args.mixed_precision = accelerator.mixed_precision  # what a resumed run must match, not `auto`
+    # float32 runs on CUDA: matmuls in TF32 (float32's range, a 10-bit mantissa, several times the float32 rate). Not
+    # under bf16 or fp16: there the heads that run in float32 on purpose (PPO's logprobs, values, scores) stay so.
+    torch.backends.cuda.matmul.allow_tf32 = accelerator.mixed_precision == "no" and accelerator.device.type == "cuda"
     return accelerator
 
 

@@ -306,7 +306,7 @@ def evaluate(accelerator, models, reward_fns, tokenizer, eval_queries, args, sto
         responses = rollout(models[0], query_ids, query_mask, args, stop_token_id, tokenizer.pad_token_id, synced_gpus)
     response_mask = truncate_after_stop(responses, stop_token_id)
     with accelerator.autocast():
-        out = rollout_forward_passes(models, query_ids, query_mask, responses, response_mask, args)
+        out = rollout_forward_passes((*models[:2], None), query_ids, query_mask, responses, response_mask, args)
     judged = {}  # the reward's scores, then the judge's, of the same samples; torch's RNG as if neither had run
     with torch.random.fork_rng(devices=[accelerator.device] if accelerator.device.type == "cuda" else []):
         for name, fn in zip(("eval/scores", "eval/gold_scores"), reward_fns[: 1 + bool(args.eval_reward_fn)]):
@@ -338,8 +338,7 @@ def prompt_indices(update, num_prompts, batch_size, seed, process_index, num_pro
     """Indices (long) of the prompts this process answers in `update` (1-based), its slice of the global batch. Pass
     p over the prompts is a permutation seeded by `seed + p` (its last partial batch dropped), so the global batch
     depends only on the update: a resumed run, or one on another number of processes, sees the same prompts."""
-    per_pass = num_prompts // batch_size
-    epoch, k = divmod(update - 1, per_pass)
+    epoch, k = divmod(update - 1, num_prompts // batch_size)  # pass over the prompts, batch within it
     order = torch.randperm(num_prompts, generator=torch.Generator().manual_seed(seed + epoch))
     batch = order[k * batch_size : (k + 1) * batch_size]
     local = batch_size // num_processes
@@ -384,10 +383,9 @@ def truncate_after_stop(responses, stop_token_id):
 @torch.no_grad()
 def rollout_forward_passes(models, query_ids, query_mask, responses, response_mask, args):
     """The forward passes of step (3) in chunks of `local_rollout_forward_batch_size` rows: `logprobs`,
-    `ref_logprobs`, `values` (B, T) float32 of `models` = (policy, ref_policy, value_model)."""
+    `ref_logprobs`, `values` (B, T) float32 of `models` = (policy, ref_policy, value_model or None)."""
     policy, ref_policy, value_model = models
-    query_responses = torch.cat([query_ids, responses], 1)
-    attention_mask = torch.cat([query_mask, response_mask], 1)
+    query_responses, attention_mask = torch.cat([query_ids, responses], 1), torch.cat([query_mask, response_mask], 1)
     out = defaultdict(list)
     for i in range(0, len(query_ids), args.local_rollout_forward_batch_size):
         chunk = slice(i, i + args.local_rollout_forward_batch_size)
@@ -395,38 +393,42 @@ def rollout_forward_passes(models, query_ids, query_mask, responses, response_ma
         out["logprobs"].append(response_logprobs(policy, qr, am, query_ids.shape[1], args.temperature)[0])
         with adapters_off(ref_policy):  # under LoRA the reference is the policy, adapter off (`load_models`)
             out["ref_logprobs"].append(response_logprobs(ref_policy, qr, am, query_ids.shape[1], args.temperature)[0])
-        out["values"].append(token_values(value_model, qr, am, query_ids.shape[1]))
+        if value_model is not None:  # None: no values (evaluation)
+            out["values"].append(token_values(value_model, qr, am, query_ids.shape[1]))
     return {k: torch.cat(v) for k, v in out.items()}
 
 
 def compute_scores(accelerator, reward_fn, tokenizer, query_ids, query_mask, responses, response_mask,
                    rng_devices=()):
-    """Step (3)'s reward: every process's rollouts as text, scored by ONE `reward_fn` call on the main process.
-
-    A collective; B may differ between processes; `reward_fn` is None off the main process, which gathers texts and ids
+    """Step (3)'s reward: every process's rollouts as text, scored by ONE `reward_fn` call on the main process. A
+    collective; B may differ between processes; `reward_fn` is None off the main process, which gathers texts and ids
     (rank order, then row order), calls `reward_fn` in `fork_rng` (CPU and `rng_devices`: its next rollouts are as if
-    no call had happened) and scatters the scores. Returns ppo.py's triple; stats are 0 off the main process.
-    """
-    prompts = tokenizer.batch_decode([q[m.bool()] for q, m in zip(query_ids, query_mask)], skip_special_tokens=True)
-    outputs = tokenizer.batch_decode([r[m.bool()] for r, m in zip(responses, response_mask)], skip_special_tokens=True)
+    no call had happened) and scatters the scores, or, if the call raised or returned a bad value, a line saying so
+    that every process raises. Returns ppo.py's triple; stats are 0 off the main process."""
+    q, q_mask, r, r_mask = (t.cpu() for t in (query_ids, query_mask, responses, response_mask))  # no sync per row
+    prompts = tokenizer.batch_decode([x[m.bool()] for x, m in zip(q, q_mask)], skip_special_tokens=True)
+    outputs = tokenizer.batch_decode([x[m.bool()] for x, m in zip(r, r_mask)], skip_special_tokens=True)
     # Token ids travel as CPU tensors: a pickled CUDA tensor would be unpickled onto the sender's device index.
-    local = (prompts, outputs, torch.cat([query_ids, responses], 1).cpu(),
-             torch.cat([query_mask, response_mask], 1).cpu())
+    local = (prompts, outputs, torch.cat([q, r], 1), torch.cat([q_mask, r_mask], 1))
     gathered = [local]
     if accelerator.num_processes > 1:
         gathered = [None] * accelerator.num_processes if accelerator.is_main_process else None
         torch.distributed.gather_object(local, gathered, dst=0)
     per_process, stats = [None] * accelerator.num_processes, {"time/reward_call": 0.0, "reward/batch_size": 0}
+    raised = None
     if accelerator.is_main_process:
         all_prompts = [prompt for part in gathered for prompt in part[0]]
         all_outputs = [output for part in gathered for output in part[1]]
         start = time.perf_counter()
-        with torch.random.fork_rng(devices=list(rng_devices)), accelerator.autocast():
-            scores = reward_fn([p + o for p, o in zip(all_prompts, all_outputs)], all_prompts, all_outputs,
-                               query_responses=torch.cat([part[2] for part in gathered]).to(accelerator.device),
-                               attention_mask=torch.cat([part[3] for part in gathered]).to(accelerator.device))
+        try:
+            with torch.random.fork_rng(devices=list(rng_devices)), accelerator.autocast():
+                scores = reward_fn([p + o for p, o in zip(all_prompts, all_outputs)], all_prompts, all_outputs,
+                                   query_responses=torch.cat([part[2] for part in gathered]).to(accelerator.device),
+                                   attention_mask=torch.cat([part[3] for part in gathered]).to(accelerator.device))
+            problem = reward_problem(scores, len(all_prompts), reward_fn)
+        except Exception as error:  # out of memory, a bug in a --reward_fn: the others must hear it, not wait
+            raised, problem = error, f"the reward call on the main process raised {error!r}"[:300]
         stats = {"time/reward_call": time.perf_counter() - start, "reward/batch_size": len(all_prompts)}
-        problem = reward_problem(scores, len(all_prompts), reward_fn)
         if problem is not None:  # sent to every process in place of its scores: all stop with the same line
             per_process = [problem] * accelerator.num_processes
         else:
@@ -437,7 +439,7 @@ def compute_scores(accelerator, reward_fn, tokenizer, query_ids, query_mask, res
     if accelerator.num_processes > 1:
         torch.distributed.scatter_object_list(mine, per_process if accelerator.is_main_process else None, src=0)
     if isinstance(mine[0], str):
-        raise ValueError(mine[0])
+        raise raised or ValueError(mine[0])  # on the main process the reward call's own error, with its traceback
     return torch.tensor(mine[0], dtype=torch.float32, device=accelerator.device), (prompts, outputs), stats
 
 
@@ -1540,6 +1542,9 @@ def make_accelerator(args):
         raise ValueError("fp16 mixed precision does not run on the CPU (accelerate ignores it there); use "
                          "--mixed_precision bf16 or no.")
     args.mixed_precision = accelerator.mixed_precision  # what a resumed run must match, not `auto`
+    # float32 runs on CUDA: matmuls in TF32 (float32's range, a 10-bit mantissa, several times the float32 rate). Not
+    # under bf16 or fp16: there the heads that run in float32 on purpose (PPO's logprobs, values, scores) stay so.
+    torch.backends.cuda.matmul.allow_tf32 = accelerator.mixed_precision == "no" and accelerator.device.type == "cuda"
     return accelerator
 
 

@@ -244,6 +244,9 @@ MUTANTS = [
            [('    total, count = accelerator.reduce(torch.stack([(values * mask).sum(), mask.sum()]), reduction="sum")',
              "    total, count = torch.stack([(values * mask).sum(), mask.sum()])")],
            M + "test_two_processes_gather_score_once_and_scatter"),
+    Mutant("reward-failure-not-sent", "ppo_multinode.py", "a reward call that raises leaves the others waiting",
+           [("        except Exception as error:  # out of memory,", "        except ZeroDivisionError as error:  #")],
+           F + "test_a_reward_that_raises_on_the_main_process_stops_every_process_naming_it"),
     # --- LoRA and gradient checkpointing (issue 20) ----------------------------------------------------------------
     Mutant("reference-keeps-the-adapter", "ppo.py", "LoRA: the shared reference is the trained policy (adapter on)",
            [("        with adapters_off(ref_policy):  # under LoRA",
