@@ -164,3 +164,19 @@ def test_a_lora_output_from_a_bf16_base_is_saved_in_float32_on_the_cpu(tiny_mode
     want = base.float() + model.get_submodule(layer).scaling["default"] * b @ a
     assert torch.equal(merged[f"{layer}.weight"], want)
     assert not torch.equal(want.bfloat16().float(), want)  # rounding back to bf16 would lose the update
+
+
+def test_zero3_buffers_follow_the_model_shape_and_a_config_value_wins():
+    """ZeRO-3's buffers in DeepSpeed's defaults are sized in parameters (a 500M-element bucket, 1B live gathered
+    parameters, one optimizer sub-group of 1B): `fit_deepspeed_config` sizes the unset or "auto" ones from
+    `hidden_size`, and keeps what the config file sets."""
+    config = {"zero_optimization": {"stage": 3, "reduce_bucket_size": "auto", "stage3_max_reuse_distance": 12345}}
+    accelerator = fake_accelerator("no")
+    accelerator.state.deepspeed_plugin = types.SimpleNamespace(deepspeed_config=config)
+    ppo.fit_deepspeed_config(accelerator, 2, 3, 1.0, hidden_size=100)
+    assert config["zero_optimization"] == {
+        "stage": 3, "reduce_bucket_size": 10_000, "stage3_prefetch_bucket_size": 9_000,
+        "stage3_param_persistence_threshold": 1_000, "stage3_max_live_parameters": 9_000,
+        "stage3_max_reuse_distance": 12345, "sub_group_size": 100_000}
+    assert (config["train_micro_batch_size_per_gpu"], config["gradient_accumulation_steps"],
+            config["train_batch_size"], config["gradient_clipping"]) == (2, 3, 6, 1.0)

@@ -610,14 +610,14 @@ def main(args: Args):
     progress = tqdm(total=args.num_updates, initial=first_update - 1, desc="ppo",
                     disable=not accelerator.is_local_main_process)
     for update in range(first_update, args.num_updates + 1):
-        start = time.perf_counter()
+        start = clock(accelerator.device)
         # --- (1) rollout ---------------------------------------------------------------------------------------
         batch = prompt_indices(update, len(train_queries[0]), args.batch_size, args.seed, accelerator.process_index,
                                accelerator.num_processes)
         query_ids, query_mask = (t[batch].to(accelerator.device) for t in train_queries)
         with accelerator.autocast():  # the training forward's precision (see `evaluate`)
             responses = rollout(unwrapped.policy, query_ids, query_mask, args, stop_token_id, tokenizer.pad_token_id)
-        generation_s = time.perf_counter() - start
+        generation_s = clock(accelerator.device) - start
 
         # --- (2) process responses: real tokens run up to and including the first stop token ---------------------
         response_mask = truncate_after_stop(responses, stop_token_id)
@@ -639,7 +639,7 @@ def main(args: Args):
             scores = scores.clamp(-args.score_clip, args.score_clip)
         mask = response_mask.float()
         logprobs, ref_logprobs, values = out["logprobs"] * mask, out["ref_logprobs"] * mask, out["values"] * mask
-        scoring_s = time.perf_counter() - start - generation_s
+        scoring_s = clock(accelerator.device) - start - generation_s
 
         # --- (4) per-token rewards: KL penalty on every real token, the score on the last real one ----------------
         rewards, kl = per_token_rewards(scores, logprobs, ref_logprobs, response_mask, kl_coef)
@@ -655,7 +655,7 @@ def main(args: Args):
                     "attention_mask": torch.cat([query_mask, response_mask], 1), "logprobs": logprobs,
                     "values": values, "advantages": advantages, "returns": returns, "mask": mask}
         stats = ppo_epochs(accelerator, model, optimizer, scheduler, rollouts, args, update)
-        update_s = time.perf_counter() - start
+        update_s = clock(accelerator.device) - start
 
         # --- (7) log: batch-level metrics over all samples of all processes ------------------------------------------
         metrics, last_stats = batch_metrics(accelerator, stats, kl_coef, scores, kl, logprobs, values, returns,
@@ -701,7 +701,7 @@ def main(args: Args):
 # ===============================================================================================================
 # Plumbing: first PPO's own set-up, run once before the loop (batch sizes, the reward function, the prompts padded
 # to tensors, the models; `--reward_fn model` wraps the frozen reward model, whose `get_reward` reward.py teaches),
-# and the checks and formatting the loop calls (a reward's return value, divergence, the sample table); then the
+# and what the loop calls (checks of a reward's return value and of divergence, the sample table, the phase clock); the
 # block that ends every script word for word (model and data loading, output folders, checkpoints, signals).
 # ===============================================================================================================
 # Settings that do not change what is trained: a checkpoint may be resumed with other values for them.
@@ -1008,6 +1008,14 @@ def sample_table(rows):
     cell = lambda s: s.replace("|", "\\|").replace("\n", " ")  # noqa: E731
     return "| query | response | score |\n|---|---|---|\n" + "\n".join(
         f"| {cell(q)} | {cell(r)} | {s:.3f} |" for q, r, s in rows)
+
+
+def clock(device):
+    """`time.perf_counter()` once the work queued on `device` has run: CUDA kernels run after the Python line that
+    starts them, so an unsynchronized phase time would be charged to the next phase."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
 
 
 # --- shared plumbing: the same text in sft.py, reward.py, ppo.py and ppo_multinode.py (layout_test.py checks) ---
@@ -1528,9 +1536,10 @@ def fit_deepspeed_config(accelerator, micro_batch_size, gradient_accumulation_st
     set from the flags too: a config file's value would otherwise silently win over --max_grad_norm.
     ZeRO-3's buffers default to sizes in parameters, not in the model's shape: a 500M-element gradient bucket (2 GB
     in float32) and up to 1B gathered parameters kept live for reuse, so a model under 1B parameters, once run, stays
-    whole on every process. Unset (or "auto"), they get accelerate's "auto" values for the buckets (h^2 bucket,
-    0.9 h^2 prefetch, weights under 10 h not partitioned), and the gathered weights are released after each use
-    beyond one prefetch bucket (max live parameters and reuse distance 0.9 h^2).
+    whole on every process; and one optimizer sub-group of up to 1B parameters, so a whole partition's gradient is
+    flattened once more at each step. Unset (or "auto"), they get accelerate's "auto" values for the buckets (h^2
+    bucket, 0.9 h^2 prefetch, weights under 10 h not partitioned), the gathered weights are released after each use
+    beyond one prefetch bucket (max live parameters and reuse distance 0.9 h^2), and sub-groups hold 10 h^2.
     """
     plugin = accelerator.state.deepspeed_plugin
     if plugin is None:
@@ -1545,7 +1554,8 @@ def fit_deepspeed_config(accelerator, micro_batch_size, gradient_accumulation_st
         bucket = int(0.9 * hidden_size**2)
         for key, value in {"reduce_bucket_size": hidden_size**2, "stage3_prefetch_bucket_size": bucket,
                            "stage3_param_persistence_threshold": 10 * hidden_size,
-                           "stage3_max_live_parameters": bucket, "stage3_max_reuse_distance": bucket}.items():
+                           "stage3_max_live_parameters": bucket, "stage3_max_reuse_distance": bucket,
+                           "sub_group_size": 10 * hidden_size**2}.items():
             if zero.get(key, "auto") == "auto":
                 zero[key] = value
 

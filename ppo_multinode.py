@@ -4,21 +4,15 @@ This is ppo.py with only what scaling out changes (`diff ppo.py ppo_multinode.py
   - step (3): the main process gathers every process's texts (rank order, then row order), calls `reward_fn` ONCE
     on all of them, inside `torch.random.fork_rng`, and scatters the scores back: process i gets its own rows' scores.
   - only the main process loads the reward model, on `--reward_device` (e.g. `cuda:7`, a GPU no trainer uses).
-  - ZeRO-3 and FSDP (versions 1 and 2) shard the weights: generation runs with `synced_gpus` (every process steps
-    until all have stopped), under FSDP with the root unit's parameters gathered (`sharded_generation_context`);
-    ZeRO-3 builds the models partitioned; every process evaluates as many held-out prompts (eval_prompts // processes).
+  - ZeRO-3 and FSDP (versions 1 and 2) shard the weights: ZeRO-3 builds the models partitioned and gathers them
+    whole once per generation (`--ds3_gather_for_generation`); FSDP generates with `synced_gpus` (every process steps
+    until all have stopped; `sharded_generation_context`); every process evaluates eval_prompts // processes prompts.
 
-Run it:
+Run it (README.md, "Several nodes": several nodes, FSDP, hostfiles, NCCL, and which runs are tested on CPU processes):
     python ppo_multinode.py                                 # 1 process: the same run, metric for metric, as ppo.py
     ACCELERATE_USE_CPU=true accelerate launch --multi_gpu --num_processes 2 ppo_multinode.py   # 2 CPU processes
-    # one 8-GPU node: 7 training processes (process i uses cuda:i), the reward model alone on GPU 7
-    accelerate launch --multi_gpu --num_processes 7 ppo_multinode.py --reward_device cuda:7 --batch_size 224
-    # 2 nodes x 8 GPUs, DDP: the same command on every node, each with its own --machine_rank (0: the main node)
-    accelerate launch --config_file configs/multi_node.yaml --machine_rank 0 --main_process_ip 10.0.0.1 \
-        --main_process_port 29500 --rdzv_conf timeout=120 ppo_multinode.py
+    accelerate launch --multi_gpu --num_processes 7 ppo_multinode.py --reward_device cuda:7  # reward model: GPU 7
     accelerate launch --config_file configs/deepspeed_zero3.yaml ppo_multinode.py   # 8 GPUs, ZeRO-3
-    accelerate launch --config_file configs/fsdp.yaml ppo_multinode.py             # 8 GPUs, FSDP
-    README.md ("Several nodes"): which of these are tested on CPU processes; hostfiles and NCCL.
 
 One update:
   (1) rollout   each process samples responses to a batch of prompts (queries) from the policy
@@ -97,7 +91,7 @@ class Args:
     reward_fn: str = "model"
     """`model`: the reward model's score; `module:function`: your function of text (imdb_rule_reward:positive_words)."""
     reward_batch_size: int = 32
-    """Samples per reward-model forward pass on the main process (memory only; it scores all processes' samples)."""
+    """Samples per reward-model forward pass (memory only)."""
     value_model_path: Optional[str] = None
     """Initial value model. None: the reward model when `--reward_fn model` and it shares the policy's tokenizer;
     otherwise the SFT model with a fresh scalar head (the value model reads the policy's tokens)."""
@@ -185,6 +179,9 @@ class Args:
     """With --lora_r: the reference is the policy with its adapter off, and the reward model the value model with its
     adapter off when the value model starts from it, so the four roles need two backbones; False loads them apart.
     Under ZeRO-3 and FSDP the reward model is loaded apart regardless: the main process scores alone."""
+    ds3_gather_for_generation: bool = True
+    """ZeRO-3: gather policy and value model whole once per generation, not layer by layer at every new token (TRL's
+    flag of this name); False for models too large to hold whole on one device."""
     # --- evaluation, logging, saving ---
     eval_every: int = 5
     """PPO updates between held-out evaluations (also run before the first and after the last update)."""
@@ -210,8 +207,7 @@ class Args:
     weights, optimizer state, logprobs, values, losses stay float32 (DeepSpeed, FSDP: their own bf16). `auto`: the
     launcher's (`no` without its flag or config), else bf16 if the hardware has it (CUDA, AVX512-BF16, AMX); logged."""
     dist_timeout_s: int = 900
-    """Seconds a process waits in a collective before giving up (one failed process cannot hang the others); it must
-    cover the reward call, during which the other processes wait."""
+    """Seconds a process waits in a collective, the reward call included, before giving up (none can hang the rest)."""
     log_dir: str = "runs/tensorboard"
     """Tensorboard root; this run logs under `<log_dir>/<run_name>`."""
     run_name: str = ""
@@ -273,12 +269,12 @@ def position_ids_from_mask(attention_mask):
     return (attention_mask.cumsum(1) - 1).clamp(min=0)
 
 
-def sharded_generation_context(accelerator, model):
+def sharded_generation_context(accelerator, model, gather=False):
     """Context in which the unwrapped policy and value model (`model`: the prepared `PolicyAndValue`) run outside the
     wrapper's forward. FSDP gathers the root unit's parameters (embeddings, final norm, heads) only in that forward:
     version 1's `summon_full_params(recurse=False)` or version 2's `unshard` gathers them meanwhile (`_lazy_init`,
-    private in torch 2.x, first makes the wrapper FSDP2's root, else the first unit to run would be); each layer
-    gathers its own weights (a collective: `synced_gpus`). ZeRO-3's hooks gather what runs: nothing to do."""
+    private in torch 2.x, first makes the wrapper FSDP2's root); each layer gathers its own. ZeRO-3 gathers layer by
+    layer too, or, with `gather`, all at once (DeepSpeed's `unwrap_model_for_generation`, hooks lifted meanwhile)."""
     if accelerator.is_fsdp2:
         model._get_fsdp_state()._lazy_init()
         model.unshard()
@@ -289,6 +285,10 @@ def sharded_generation_context(accelerator, model):
         from torch.distributed.fsdp import FullyShardedDataParallel
 
         return FullyShardedDataParallel.summon_full_params(model, recurse=False, writeback=False)
+    if gather and accelerator.state.deepspeed_plugin and accelerator.state.deepspeed_plugin.zero_stage == 3:
+        from deepspeed.runtime.zero.stage3 import unwrap_model_for_generation
+
+        return unwrap_model_for_generation(model)
     return contextlib.nullcontext()
 
 
@@ -349,8 +349,7 @@ def prompt_indices(update, num_prompts, batch_size, seed, process_index, num_pro
 def rollout(policy, query_ids, query_mask, args, stop_token_id, pad_token_id, synced_gpus):
     """Sample one response per query: (B, T) long, T = response_length (shorter if all rows stopped early, then
     padded back to T). Plain sampling at `temperature`, top_k 0, top_p 1 and nothing else (`generate_with`), so the
-    sampling distribution is exactly softmax(logits / temperature), the one the logprobs are computed with.
-    `synced_gpus` (sharded weights): a process whose rows have all stopped keeps stepping until all processes have."""
+    sampling distribution is exactly softmax(logits / temperature), the one the logprobs are computed with."""
     sampling = GenerationConfig(max_new_tokens=args.response_length, do_sample=True, temperature=args.temperature,
                                 top_k=0, top_p=1.0, eos_token_id=stop_token_id, pad_token_id=pad_token_id)
     out = generate_with(policy, sampling, input_ids=query_ids, attention_mask=query_mask, synced_gpus=synced_gpus)
@@ -615,7 +614,7 @@ def main(args: Args):
     logging.basicConfig(format="%(asctime)s %(levelname)s %(message)s", level=logging.INFO)
     accelerator = make_accelerator(args)
     args = derive_sizes(args, accelerator.num_processes)
-    sharded = check_sharding(accelerator)  # ZeRO-3, FSDP: generation in step on every process
+    sharded = check_sharding(accelerator, args.ds3_gather_for_generation)  # generation in step on every process
     checkpoint_dir = args.checkpoint_dir or args.output_dir.rstrip("/") + "-checkpoints"
     prepare_run_dirs(accelerator, "ppo", args.output_dir, checkpoint_dir, args.log_dir,
                      {"the SFT model (--sft_model_path)": args.sft_model_path,
@@ -651,7 +650,7 @@ def main(args: Args):
                               config={k: v for k, v in vars(args).items() if v is not None})
 
     def log_eval(update):
-        with sharded_generation_context(accelerator, model):
+        with sharded_generation_context(accelerator, model, args.ds3_gather_for_generation):
             metrics, rows = evaluate(accelerator, models, (reward_fn, judge), tokenizer, eval_queries, args,
                                      stop_token_id, sharded, rng_devices)
         accelerator.log(metrics, step=update)
@@ -673,15 +672,15 @@ def main(args: Args):
     progress = tqdm(total=args.num_updates, initial=first_update - 1, desc="ppo",
                     disable=not accelerator.is_local_main_process)
     for update in range(first_update, args.num_updates + 1):
-        start = time.perf_counter()
+        start = clock(accelerator.device)
         # --- (1) rollout ---------------------------------------------------------------------------------------
         batch = prompt_indices(update, len(train_queries[0]), args.batch_size, args.seed, accelerator.process_index,
                                accelerator.num_processes)
         query_ids, query_mask = (t[batch].to(accelerator.device) for t in train_queries)
-        with sharded_generation_context(accelerator, model), accelerator.autocast():  # autocast: see `evaluate`
+        with sharded_generation_context(accelerator, model, args.ds3_gather_for_generation), accelerator.autocast():
             responses = rollout(unwrapped.policy, query_ids, query_mask, args, stop_token_id, tokenizer.pad_token_id,
                                 sharded)
-        generation_s = time.perf_counter() - start
+        generation_s = clock(accelerator.device) - start
 
         # --- (2) process responses: real tokens run up to and including the first stop token ---------------------
         response_mask = truncate_after_stop(responses, stop_token_id)
@@ -703,7 +702,7 @@ def main(args: Args):
             scores = scores.clamp(-args.score_clip, args.score_clip)
         mask = response_mask.float()
         logprobs, ref_logprobs, values = out["logprobs"] * mask, out["ref_logprobs"] * mask, out["values"] * mask
-        scoring_s = time.perf_counter() - start - generation_s
+        scoring_s = clock(accelerator.device) - start - generation_s
 
         # --- (4) per-token rewards: KL penalty on every real token, the score on the last real one ----------------
         rewards, kl = per_token_rewards(scores, logprobs, ref_logprobs, response_mask, kl_coef)
@@ -719,7 +718,7 @@ def main(args: Args):
                     "attention_mask": torch.cat([query_mask, response_mask], 1), "logprobs": logprobs,
                     "values": values, "advantages": advantages, "returns": returns, "mask": mask}
         stats = ppo_epochs(accelerator, model, optimizer, scheduler, rollouts, args, update)
-        update_s = time.perf_counter() - start
+        update_s = clock(accelerator.device) - start
 
         # --- (7) log: batch-level metrics over all samples of all processes ------------------------------------------
         metrics, last_stats = batch_metrics(accelerator, stats, kl_coef, scores, kl, logprobs, values, returns,
@@ -765,7 +764,7 @@ def main(args: Args):
 # ===============================================================================================================
 # Plumbing: first PPO's own set-up, run once before the loop (batch sizes, the reward function, the prompts padded
 # to tensors, the models; `--reward_fn model` wraps the frozen reward model, whose `get_reward` reward.py teaches),
-# and the checks and formatting the loop calls (a reward's return value, divergence, the sample table); then the
+# and what the loop calls (checks of a reward's return value and of divergence, the sample table, the phase clock); the
 # block that ends every script word for word (model and data loading, output folders, checkpoints, signals).
 # ===============================================================================================================
 # Settings that do not change what is trained: a checkpoint may be resumed with other values for them.
@@ -812,11 +811,13 @@ def derive_sizes(args, num_processes):
     return args
 
 
-def check_sharding(accelerator):
+def check_sharding(accelerator, ds3_gather=False):
     """ZeRO-3 and FSDP shard the weights: every generation step is then a collective, and a process that stops
-    sampling early would leave the others waiting forever. Returns whether they are on, for `rollout`'s sake."""
+    sampling early would leave the others waiting forever. Returns whether they are on (`rollout`'s `synced_gpus`),
+    under ZeRO-3 only if its weights are not gathered whole for generation (`ds3_gather`)."""
     plugin = accelerator.state.deepspeed_plugin
-    return (plugin is not None and plugin.zero_stage == 3) or accelerator.distributed_type == DistributedType.FSDP
+    zero3 = plugin is not None and plugin.zero_stage == 3
+    return (zero3 and not ds3_gather) or accelerator.distributed_type == DistributedType.FSDP
 
 
 def import_reward_fn(reward_fn, reward_model_path, flag="--reward_fn"):
@@ -917,10 +918,8 @@ def load_models(args, plugged_reward, tokenizer, accelerator):
     `--lora_r` (`adapt_for_training`): policy and value model get adapters, the value head trains whole; with
     `--lora_share_backbones` the reference is the policy itself and, if the value model starts from the reward model,
     so is the reward model the value model: `adapters_off` then gives the frozen role (as TRL's PPO did for the
-    reference). Four roles, two backbones in memory, and the same numbers as separate copies. Not the reward model
-    under ZeRO-3 and FSDP: the main process scores alone (whole: `whole_model_loading`), while under ZeRO-3 policy,
-    reference and value model are built partitioned (`load_model`; the reference's engine: `shard_reference`).
-    """
+    reference). Four roles, two backbones in memory, and the same numbers as separate copies. Under ZeRO-3 and FSDP
+    the main process alone holds the reward model, whole (`whole_model_loading`); ZeRO-3 partitions the rest."""
     reward_tokenizer = load_tokenizer(args.reward_model_path) if args.reward_fn == "model" else None
     same_tokens = reward_tokenizer is not None and reward_tokenizer.get_vocab() == tokenizer.get_vocab()
     value_model_path = args.value_model_path or (args.reward_model_path if same_tokens else args.sft_model_path)
@@ -964,9 +963,8 @@ def load_models(args, plugged_reward, tokenizer, accelerator):
 
 def shard_reference(accelerator, ref_policy, policy):
     """The frozen reference, ready on the device. Under ZeRO-3 (and not the policy itself, `--lora_share_backbones`)
-    it is already partitioned (`load_models`) and gets a DeepSpeed engine of its own without an optimizer, which
-    gathers each layer's weights as it runs, as the policy's does (TRL's `prepare_deepspeed` did the same): each
-    process holds 1/N of it, not a whole copy."""
+    it is built partitioned and gets a DeepSpeed engine of its own without an optimizer, which gathers each layer's
+    weights as it runs (as TRL's `prepare_deepspeed` did): each process holds 1/N of it, not a whole copy."""
     plugin = accelerator.state.deepspeed_plugin
     if plugin is None or plugin.zero_stage != 3 or ref_policy is policy:
         return ref_policy.to(accelerator.device)
@@ -1094,6 +1092,14 @@ def sample_table(rows):
     cell = lambda s: s.replace("|", "\\|").replace("\n", " ")  # noqa: E731
     return "| query | response | score |\n|---|---|---|\n" + "\n".join(
         f"| {cell(q)} | {cell(r)} | {s:.3f} |" for q, r, s in rows)
+
+
+def clock(device):
+    """`time.perf_counter()` once the work queued on `device` has run: CUDA kernels run after the Python line that
+    starts them, so an unsynchronized phase time would be charged to the next phase."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
 
 
 # --- shared plumbing: the same text in sft.py, reward.py, ppo.py and ppo_multinode.py (layout_test.py checks) ---
@@ -1614,9 +1620,10 @@ def fit_deepspeed_config(accelerator, micro_batch_size, gradient_accumulation_st
     set from the flags too: a config file's value would otherwise silently win over --max_grad_norm.
     ZeRO-3's buffers default to sizes in parameters, not in the model's shape: a 500M-element gradient bucket (2 GB
     in float32) and up to 1B gathered parameters kept live for reuse, so a model under 1B parameters, once run, stays
-    whole on every process. Unset (or "auto"), they get accelerate's "auto" values for the buckets (h^2 bucket,
-    0.9 h^2 prefetch, weights under 10 h not partitioned), and the gathered weights are released after each use
-    beyond one prefetch bucket (max live parameters and reuse distance 0.9 h^2).
+    whole on every process; and one optimizer sub-group of up to 1B parameters, so a whole partition's gradient is
+    flattened once more at each step. Unset (or "auto"), they get accelerate's "auto" values for the buckets (h^2
+    bucket, 0.9 h^2 prefetch, weights under 10 h not partitioned), the gathered weights are released after each use
+    beyond one prefetch bucket (max live parameters and reuse distance 0.9 h^2), and sub-groups hold 10 h^2.
     """
     plugin = accelerator.state.deepspeed_plugin
     if plugin is None:
@@ -1631,7 +1638,8 @@ def fit_deepspeed_config(accelerator, micro_batch_size, gradient_accumulation_st
         bucket = int(0.9 * hidden_size**2)
         for key, value in {"reduce_bucket_size": hidden_size**2, "stage3_prefetch_bucket_size": bucket,
                            "stage3_param_persistence_threshold": 10 * hidden_size,
-                           "stage3_max_live_parameters": bucket, "stage3_max_reuse_distance": bucket}.items():
+                           "stage3_max_live_parameters": bucket, "stage3_max_reuse_distance": bucket,
+                           "sub_group_size": 10 * hidden_size**2}.items():
             if zero.get(key, "auto") == "auto":
                 zero[key] = value
 

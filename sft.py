@@ -961,9 +961,10 @@ def fit_deepspeed_config(accelerator, micro_batch_size, gradient_accumulation_st
     set from the flags too: a config file's value would otherwise silently win over --max_grad_norm.
     ZeRO-3's buffers default to sizes in parameters, not in the model's shape: a 500M-element gradient bucket (2 GB
     in float32) and up to 1B gathered parameters kept live for reuse, so a model under 1B parameters, once run, stays
-    whole on every process. Unset (or "auto"), they get accelerate's "auto" values for the buckets (h^2 bucket,
-    0.9 h^2 prefetch, weights under 10 h not partitioned), and the gathered weights are released after each use
-    beyond one prefetch bucket (max live parameters and reuse distance 0.9 h^2).
+    whole on every process; and one optimizer sub-group of up to 1B parameters, so a whole partition's gradient is
+    flattened once more at each step. Unset (or "auto"), they get accelerate's "auto" values for the buckets (h^2
+    bucket, 0.9 h^2 prefetch, weights under 10 h not partitioned), the gathered weights are released after each use
+    beyond one prefetch bucket (max live parameters and reuse distance 0.9 h^2), and sub-groups hold 10 h^2.
     """
     plugin = accelerator.state.deepspeed_plugin
     if plugin is None:
@@ -978,7 +979,8 @@ def fit_deepspeed_config(accelerator, micro_batch_size, gradient_accumulation_st
         bucket = int(0.9 * hidden_size**2)
         for key, value in {"reduce_bucket_size": hidden_size**2, "stage3_prefetch_bucket_size": bucket,
                            "stage3_param_persistence_threshold": 10 * hidden_size,
-                           "stage3_max_live_parameters": bucket, "stage3_max_reuse_distance": bucket}.items():
+                           "stage3_max_live_parameters": bucket, "stage3_max_reuse_distance": bucket,
+                           "sub_group_size": 10 * hidden_size**2}.items():
             if zero.get(key, "auto") == "auto":
                 zero[key] = value
 

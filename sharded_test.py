@@ -546,7 +546,7 @@ UNEVEN_GENERATION = '''"""Test-only driver (written by sharded_test.py): runs pp
 `rollout` pads the responses with the pad token, which is this tokenizer's EOS), while the others generate up
 to --response_length. With UNEVEN_SYNCED=0 it also turns synced generation off (`synced_gpus=False`), as a script
 that did not keep generation in step would. Each process writes how many new tokens each of its `generate` calls
-made to $UNEVEN_REPORT_DIR/rank<r>.json.
+made, and how many collectives it ran (all-gathers, all-reduces, broadcasts), to $UNEVEN_REPORT_DIR/rank<r>.json.
 """
 import copy
 import json
@@ -560,7 +560,21 @@ sys.path.insert(0, os.getcwd())
 import ppo_multinode  # noqa: E402
 
 original_generate_with = ppo_multinode.generate_with
-lengths = []
+lengths, collectives = [], []
+
+
+def counted(name):
+    original = getattr(torch.distributed, name)
+
+    def collective(*args, **kwargs):
+        collectives[-1] += 1
+        return original(*args, **kwargs)
+    setattr(torch.distributed, name, collective)
+
+
+collectives.append(0)  # the count outside generation, thrown away at the first call
+for name in ("all_gather_into_tensor", "all_gather", "all_reduce", "broadcast"):
+    counted(name)
 
 
 def generate_with(model, generation_config, **inputs):
@@ -570,10 +584,12 @@ def generate_with(model, generation_config, **inputs):
         generation_config.max_new_tokens = 2
     if os.environ["UNEVEN_SYNCED"] == "0":
         inputs["synced_gpus"] = False
+    collectives[-1] = 0
     out = original_generate_with(model, generation_config, **inputs)
     lengths.append(out.shape[1] - inputs["input_ids"].shape[1])
     with open(os.path.join(os.environ["UNEVEN_REPORT_DIR"], f"rank{rank}.json"), "w") as f:
-        json.dump(lengths, f)
+        json.dump({"lengths": lengths, "collectives": collectives}, f)
+    collectives.append(0)
     return out
 
 
@@ -584,36 +600,44 @@ ppo_multinode.run_as_command(ppo_multinode.main, tyro.cli(ppo_multinode.Args))
 
 
 @needs_deepspeed
-def test_zero3_uneven_generation_stays_in_step(tiny, tmp_path):  # noqa: F811
-    """Under ZeRO-3 every generation step gathers partitioned weights, a collective. Process 0 generates 2 new tokens
-    per call and process 1 six (the UNEVEN_GENERATION driver): ppo_multinode.py's synced generation keeps process 0
-    stepping until process 1 is done, and the 2-update run finishes. The same run with synced generation turned off
-    must fail, and fail fast: process 0 leaves generation and its next gathers no longer match process 1's (here
-    gloo sees the mismatched sizes at once, about 10 s in all; gathers that happened to match would hang until
-    --dist_timeout_s, 20 s), not a hang until the test's timeout. So the test tells the two apart."""
+def test_zero3_generation_gathers_once_or_stays_in_step(tiny, tmp_path):  # noqa: F811
+    """Process 0 generates 2 new tokens per call and process 1 six (the UNEVEN_GENERATION driver), under ZeRO-3.
+    By default (--ds3_gather_for_generation) the weights are gathered whole before generation: no collective runs
+    inside it, the processes need not step together, and the 2-update run ends as the layer-by-layer run does (same
+    metrics and weights: the same responses). Layer by layer, every generation step gathers weights, a collective:
+    synced generation keeps process 0 stepping until process 1 is done. The layer-by-layer run with synced generation
+    turned off must fail, and fail fast: process 0 leaves generation and its next gathers no longer match process
+    1's (gloo sees the mismatched sizes at once, about 10 s in all; gathers that happened to match would hang until
+    --dist_timeout_s, 20 s), not a hang until the test's timeout. So the test tells the ways apart."""
     driver = tmp_path / "uneven_generation.py"
     driver.write_text(UNEVEN_GENERATION)
-    outputs = {}
-    for synced in ("1", "0"):
-        name = f"synced{synced}"
+    outputs, reports = {}, {}
+    for name, gather, synced in (("gathered", True, "0"), ("synced1", False, "1"), ("synced0", False, "0")):
         report_dir = tmp_path / f"report_{name}"
         report_dir.mkdir()
         args = run_args(tiny, tmp_path / name, run_name=name, log_dir=tmp_path / "tb", dist_timeout_s=20)
         cmd = ["python", str(driver), *[f"--{k}={v}" for k, v in args.items()]]
+        cmd += [] if gather else ["--no-ds3_gather_for_generation"]
         env = {"UNEVEN_SYNCED": synced, "UNEVEN_REPORT_DIR": str(report_dir)}
         start = time.monotonic()
-        outputs[name] = launch_two("deepspeed_zero3", cmd, name, env, fails=synced == "0")
+        outputs[name] = launch_two("deepspeed_zero3", cmd, name, env, fails=name == "synced0")
         elapsed = time.monotonic() - start
-        lengths = [json.loads(path.read_text()) if path.exists() else [] for path in
-                   (report_dir / f"rank{rank}.json" for rank in (0, 1))]
+        reports[name] = [json.loads(path.read_text()) if path.exists() else {"lengths": [], "collectives": []}
+                         for path in (report_dir / f"rank{rank}.json" for rank in (0, 1))]
+        lengths = [report["lengths"] for report in reports[name]]
         assert lengths[0] and max(lengths[0]) <= 2, lengths
-        if synced == "1":  # the held-out evaluations before and after training and 2 rollouts, every one complete
+        if name != "synced0":  # the held-out evaluations before and after training and 2 rollouts, every one complete
             assert len(lengths[0]) == len(lengths[1]) == 4 and min(lengths[1]) > 2, lengths
             assert os.path.isfile(tmp_path / name / "model" / "model.safetensors")
         else:  # process 1 never got its third token: process 0 had left generation and no longer gathered weights
             assert lengths[1] == [] and not os.path.exists(tmp_path / name / "model"), lengths
             assert elapsed < TIMEOUT / 2, f"the unsynced run took {elapsed:.0f} s to fail"
-    assert "error:" in outputs["synced0"] and "error:" not in outputs["synced1"]
+    assert "error:" in outputs["synced0"] and "error:" not in outputs["synced1"] + outputs["gathered"]
+    counts = {name: [report["collectives"][:4] for report in reports[name]] for name in ("gathered", "synced1")}
+    assert counts["gathered"] == [[0] * 4] * 2 and min(min(c) for c in counts["synced1"]) > 10, counts
+    assert assert_same_scalars(str(tmp_path / "tb"), "synced1", "gathered", {0, 1, 2}) >= 12
+    for folder in ("model", "model/value_model"):
+        assert_same_saved_weights(str(tmp_path / "synced1" / folder), str(tmp_path / "gathered" / folder))
 
 
 @pytest.mark.parametrize("config", [pytest.param("deepspeed_zero3", marks=needs_deepspeed), "fsdp"])
