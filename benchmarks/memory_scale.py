@@ -2,6 +2,7 @@
 depend on them) and SmolLM2's tokenizer:
 
     python benchmarks/memory_scale.py zero3       # ppo_multinode.py, 2 processes, DDP against ZeRO-3 (~10 min)
+    python benchmarks/memory_scale.py zero3 --engines zero3 zero3_layers   # ZeRO-3 generation: gathered once or not
     python benchmarks/memory_scale.py lora        # ppo.py, LoRA r16 + shared backbones, bf16, a ~0.5B model
     python benchmarks/memory_scale.py lora --repo /path/to/an/older/checkout   # the same run with older code
     python benchmarks/memory_scale.py scoring     # the LM head's part of one no-grad scoring pass, 128k vocabulary
@@ -11,6 +12,8 @@ embeddings), float32, one `ppo_multinode.py` update of the default shapes (32 ro
 minibatches x 2 microbatches, 2 epochs) and the evaluation of 32 prompts before and after; each engine one
 `accelerate launch` of 2 processes (DDP over gloo; ZeRO-3 on DeepSpeed's CPU accelerator, configs/deepspeed_zero3.yaml).
 Every process writes its own peak RSS (VmHWM) when it ends: the main process also holds the reward model.
+`zero3_layers` is ZeRO-3 with `--no-ds3_gather_for_generation` (generation gathers each layer at every new token);
+each run also reports its update's generation seconds (`time/generation`, tensorboard).
 `lora`: a 0.49B Llama (24 layers, 1024 wide, 16 heads, 4 key/value heads, MLP 5120, the same vocabulary, tied), one
 `ppo.py` update of the default shapes with `--lora_r 16` (shared backbones) under bf16, one process, its peak RSS
 from the kernel (wait4), where the frozen base is most of the memory.
@@ -92,7 +95,8 @@ def common_flags(models, out, name):
 
 
 def launch_two(engine, repo, work, models, default_malloc=False):
-    """One 2-process ppo_multinode.py update under `engine` (ddp, zero3); the peak RSS (bytes) of rank 0 and 1."""
+    """One 2-process ppo_multinode.py update under `engine` (ddp, zero3, zero3_layers); the peak RSS (bytes) of
+    rank 0 and 1 and the update's generation seconds."""
     out = os.path.join(work, engine)
     os.makedirs(out, exist_ok=True)
     driver = os.path.join(work, "driver.py")
@@ -110,11 +114,17 @@ def launch_two(engine, repo, work, models, default_malloc=False):
     else:
         launcher += ["--config_file", os.path.join(repo, "configs", "deepspeed_zero3.yaml")]
     flags = common_flags(models, out, engine) + ["--mixed_precision", "no"]
+    flags += ["--no-ds3_gather_for_generation"] if engine == "zero3_layers" else []
     with open(os.path.join(out, "output.txt"), "w") as log:
         proc = subprocess.run(launcher + [driver] + flags, cwd=repo, env=env, stdout=log, stderr=subprocess.STDOUT)
     if proc.returncode != 0:
         raise SystemExit(f"{engine} run failed: see {os.path.join(out, 'output.txt')}")
-    return [int(open(os.path.join(out, f"rank{r}.json")).read()) for r in range(2)]
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(os.path.join(out, "tb", engine), size_guidance={"scalars": 0})
+    events.Reload()
+    generation_s = events.Scalars("time/generation")[0].value
+    return [int(open(os.path.join(out, f"rank{r}.json")).read()) for r in range(2)] + [generation_s]
 
 
 def run_lora(repo, work, models):
@@ -181,7 +191,7 @@ def main():
     parser.add_argument("--rows", type=int, default=32, help="scoring: rows of 512 response tokens")
     parser.add_argument("--default_malloc", action="store_true",
                         help="zero3: leave glibc's malloc as it is (no `tune_cpu_allocator`)")
-    parser.add_argument("--engines", nargs="+", default=["ddp", "zero3"], choices=["ddp", "zero3"])
+    parser.add_argument("--engines", nargs="+", default=["ddp", "zero3"], choices=["ddp", "zero3", "zero3_layers"])
     parser.add_argument("--repo", default=HERE, help="the checkout whose scripts run (default: this one)")
     parser.add_argument("--work", default=None, help="folder for the models and runs (default: a new temp folder)")
     args = parser.parse_args()
@@ -202,9 +212,10 @@ def main():
         for engine in args.engines:
             peaks = launch_two(engine, args.repo, work, models, args.default_malloc)
             malloc = ", glibc's default malloc" if args.default_malloc else ""
-            results[f"zero3 experiment, {engine}, code {commit}{malloc}"] = {"rank0_gb": peaks[0] / GB,
-                                                                      "rank1_gb": peaks[1] / GB}
-            print(f"{engine}: peak RSS rank 0 {peaks[0] / GB:.2f} GB, rank 1 {peaks[1] / GB:.2f} GB", flush=True)
+            results[f"zero3 experiment, {engine}, code {commit}{malloc}"] = {
+                "rank0_gb": peaks[0] / GB, "rank1_gb": peaks[1] / GB, "generation_s": peaks[2]}
+            print(f"{engine}: peak RSS rank 0 {peaks[0] / GB:.2f} GB, rank 1 {peaks[1] / GB:.2f} GB; generation "
+                  f"{peaks[2]:.1f} s", flush=True)
     elif args.experiment == "lora":
         peak = run_lora(args.repo, work, models)
         results[f"lora experiment, code {commit}"] = {"peak_gb": peak / GB}
