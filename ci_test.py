@@ -1,7 +1,7 @@
-"""What CI itself relies on, checked: the mutation list still fits the code, the fast mutants are caught, and a
-missing package fails CI instead of skipping.
+"""What CI itself relies on, checked: the mutation list still fits the code, the fast mutants are caught, the GPU
+benchmark runs in its CPU smoke mode, and a missing package fails CI instead of skipping.
 
-    python -m pytest ci_test.py     # about 2 minutes on 2 CPU cores (the fast mutants' tests, unmutated and mutated)
+    python -m pytest ci_test.py     # a few minutes on 2 CPU cores (the fast mutants, the GPU benchmark's smoke mode)
 
 The whole mutation table (every mutant, README "Mutation testing") takes far longer: `python tools/mutants.py`.
 """
@@ -65,3 +65,22 @@ def test_a_missing_package_fails_the_run_when_packages_are_required(tmp_path):
         outcomes[required] = (proc.returncode, proc.stdout.strip().splitlines()[-1])
     assert outcomes["1"][0] == 1 and "1 failed, 1 skipped" in outcomes["1"][1], outcomes
     assert outcomes["0"][0] == 0 and "2 skipped" in outcomes["0"][1], outcomes
+
+
+def test_the_gpu_benchmark_runs_in_its_cpu_smoke_mode(tmp_path):
+    """`benchmarks/gpu.sh` (the one prepared GPU check) in its CPU smoke mode: the tiny model, every mode (full,
+    checkpointing, LoRA + shared backbones), a small workload in bf16. It must run where no GPU is, and its one JSON
+    must hold, for each mode, the timings, the planner's figure, and a KL at update 0 and a largest |log ratio| at
+    learning rate 0 of exactly 0 (rollout chunks of 4 rows, training microbatches of 2: other batch shapes)."""
+    env = dict(os.environ, GPU_BENCH_SIZES="tiny", OUT=str(tmp_path),
+               GPU_BENCH_ARGS="--updates 2 --rollouts 4 --query_len 8 --response_len 8 --ppo_epochs 1 --threads 2")
+    proc = subprocess.run(["bash", "benchmarks/gpu.sh"], cwd=HERE, env=env, stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-5000:]
+    results = json.loads((tmp_path / "gpu_bench.json").read_text())["results"]
+    assert set(results) == {"tiny full", "tiny ckpt", "tiny lora"}, results
+    for run, result in results.items():
+        assert result["device"] == "cpu" and result["s_per_update"] > 0 and result["planned_gib"] > 0, run
+        assert result["settings"]["gradient_checkpointing"] == (run != "tiny full"), run
+        assert result["settings"]["lora_r"] == (16 if run == "tiny lora" else 0), run
+        assert result["kl_at_update_0"] == 0.0 and result["max_abs_log_ratio_at_lr_0"] == 0.0, (run, result)

@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
-# ppo.py on one GPU in bf16, no network: SmolLM2-sized and ~1B random-initialised Llama models, s/update, tokens/s,
-# phase times, MFU (issue 13). At most 8 minutes in all (GPU_BENCH_BUDGET_S for the sizes, plus start-up).
+# ppo.py on one GPU in bf16, no network: a random-initialised Llama-3.2-1B-shaped model (128k vocabulary), full /
+# full + checkpointing / LoRA + shared backbones + checkpointing: s/update, tokens/s, phase times, MFU, peak memory
+# against the planner, KL at update 0 and the ratio at learning rate 0 (issues 13, 31). At most 8 minutes in all
+# (GPU_BENCH_BUDGET_S for the runs, plus start-up).
 #
 # Run from the repository root:
-#   bash benchmarks/gpu.sh                         # GPU: sizes smollm2,1b -> $OUT (or benchmarks/results/gpu)
-#   GPU_BENCH_SIZES=tiny bash benchmarks/gpu.sh    # CPU smoke test, 1-2 minutes
+#   bash benchmarks/gpu.sh                         # GPU: size 1b, 3 modes -> $OUT (or benchmarks/results/gpu)
+#   GPU_BENCH_SIZES=tiny bash benchmarks/gpu.sh    # CPU smoke test (ci_test.py runs it, smaller still)
 # Environment (all optional):
-#   GPU_BENCH_SIZES      comma-separated sizes of gpu_bench.py (tiny, smollm2, 1b); default smollm2,1b
+#   GPU_BENCH_SIZES      comma-separated sizes of gpu_bench.py (tiny, smollm2, 1b); default 1b
 #   GPU_BENCH_BUDGET_S   seconds for all sizes together (a size still running then is stopped); default 420
 #   GPU_BENCH_PRECISION  bf16 (default) or fp32
 #   GPU_BENCH_ARGS       more gpu_bench.py flags, e.g. "--rollouts 128 --updates 4"
@@ -36,5 +38,5 @@ nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=c
   || echo "gpu.sh: nvidia-smi not found / no GPU: the benchmark runs on the CPU"
 # 480 s = 8 minutes hard stop for everything; the driver itself stops sizes at GPU_BENCH_BUDGET_S.
 # shellcheck disable=SC2086
-timeout 480 python3 benchmarks/gpu_bench.py --out_dir "$out" --sizes "${GPU_BENCH_SIZES:-smollm2,1b}" \
+timeout 480 python3 benchmarks/gpu_bench.py --out_dir "$out" --sizes "${GPU_BENCH_SIZES:-1b}" \
   --budget_s "${GPU_BENCH_BUDGET_S:-420}" --precision "${GPU_BENCH_PRECISION:-bf16}" ${GPU_BENCH_ARGS:-}

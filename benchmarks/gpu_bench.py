@@ -1,15 +1,20 @@
-"""ppo.py on one GPU in bf16, for a machine with no network: s/update, tokens/s, phase times and MFU (issue 13).
+"""ppo.py on one GPU in bf16, for a machine with no network: s/update, tokens/s, phase times, MFU, peak memory
+against the memory planner, and the ratio at learning rate 0 and the KL at update 0 (issues 13 and 31).
 
 Builds random-initialised Llama models of fixed sizes (no downloads) with a tokenizer made on the spot, runs
-`ppo.main` in-process for `--updates` PPO updates per size (each size in its own child process, so one size's
-memory or failure does not touch the next), and writes `gpu_bench.json` and `gpu_bench.md` (+ one log per size) to
+`ppo.main` in-process for `--updates` PPO updates per size and mode (each in its own child process, so one run's
+memory or failure does not touch the next), and writes `gpu_bench.json` and `gpu_bench.md` (+ one log per run) to
 `--out_dir`. benchmarks/gpu.sh is the way to run it on the GPU machine (it brings the missing packages); on a
 machine without a GPU it runs on the CPU and says so.
 
-Sizes (`--sizes`, comma-separated; Llama architecture, vocab 49152 as SmolLM2's tokenizer):
-  tiny     hidden 64, 2 layers, 4 heads, intermediate 256 (6.4M parameters): the CPU smoke test
-  smollm2  SmolLM2-135M's config: hidden 576, 30 layers, 9 heads / 3 KV heads, intermediate 1536, tied embeddings
-  1b       hidden 2048, 16 layers, 32 heads / 8 KV heads, intermediate 8192, tied embeddings (1.07B parameters)
+Sizes (`--sizes`, comma-separated; Llama architecture):
+  tiny     hidden 64, 2 layers, 4 heads, intermediate 256, vocabulary 49,152 (6.4M parameters): the CPU smoke test
+  smollm2  SmolLM2-135M's config: hidden 576, 30 layers, 9 heads / 3 KV heads, intermediate 1536, tied embeddings,
+           vocabulary 49,152
+  1b       Llama-3.2-1B's config: hidden 2048, 16 layers, 32 heads / 8 KV heads, intermediate 8192, tied embeddings,
+           vocabulary 128,256 (1.24B parameters)
+Modes (`--modes`): full (full fine-tuning), ckpt (full + `--gradient_checkpointing`), lora (`--lora_r 16`, shared
+backbones, `--gradient_checkpointing`).
 Policy and ref are the same random model; value and reward are LlamaForSequenceClassification with the policy's
 backbone and a random scalar head (as the CPU benchmark builds them). Saved in bf16 (half the disk and load time;
 ppo.py loads every model as fp32 master weights regardless).
@@ -24,21 +29,25 @@ response 64 (exactly: stop_token none, no EOS penalty), 4 PPO epochs x 2 minibat
 (needs that field; `--precision fp32` passes "no"). The final save of ppo.main (outside the timed updates; 8.6 GB
 for the 1b model) is skipped.
 
-Measured per size (first update = warm-up, left out of the medians): s/update (ppo.prompt_indices to the next,
-after torch.cuda.synchronize: all the update's GPU work), tokens/s = rollouts x (query + response) / s per update,
-phases from ppo.py's own time/generation, time/scoring, time/training metrics, peak GPU memory, and the achieved
-FLOP/s of each phase (FLOPs counted by flops.py: matrix products only) as MFU against
+Measured per size and mode (first update = warm-up, left out of the medians): s/update (ppo.prompt_indices to the
+next, after torch.cuda.synchronize: all the update's GPU work), tokens/s = rollouts x (query + response) / s per
+update, phases from ppo.py's own time/generation, time/scoring, time/training metrics; peak GPU memory
+(torch.cuda.max_memory_allocated, its counter reset once the models are loaded, at the first sampling) against
+benchmarks/memory.py's prediction for the same setting; the KL at update 0 (eval/kl before training) and the
+largest |log ratio| of one more update at learning rate 0 (both 0 when the rollout's and the training's logprobs
+agree); and the achieved FLOP/s of each phase (FLOPs counted by flops.py: matrix products only) as MFU against
   * the GPU's dense bf16 peak from the datasheet table below, looked up by the device name, and
   * the bf16 matmul peak measured here (peak_flops.py's large square product), always; it is the only
     denominator on a GPU that is not in the table, and on the CPU (then measured with the CPU's threads).
 
-Run:  bash benchmarks/gpu.sh                                          # the GPU machine, ~6-8 minutes
-      GPU_BENCH_SIZES=tiny bash benchmarks/gpu.sh                     # CPU smoke test (1-2 minutes)
+Run:  bash benchmarks/gpu.sh                                          # the GPU machine, at most 8 minutes
+      GPU_BENCH_SIZES=tiny bash benchmarks/gpu.sh                     # CPU smoke test (ci_test.py runs it)
       python benchmarks/gpu_bench.py --sizes smollm2 --out_dir /tmp/gb  # directly, packages already there
 """
 
 import argparse
 import copy
+import dataclasses
 import json
 import os
 import platform
@@ -60,15 +69,18 @@ sys.path.insert(0, str(BENCH_DIR.parent))  # ppo.py
 sys.path.insert(0, str(BENCH_DIR))  # flops.py, peak_flops.py, ours_ppo.py
 import flops  # noqa: E402  (stdlib only)
 
-VOCAB = 49152
 SIZES = {
     "tiny": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
-                 intermediate_size=256, tie_word_embeddings=False),
+                 intermediate_size=256, tie_word_embeddings=False, vocab_size=49152),
     "smollm2": dict(hidden_size=576, num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
-                    intermediate_size=1536, tie_word_embeddings=True, rope_theta=100000.0, rms_norm_eps=1e-5),
+                    intermediate_size=1536, tie_word_embeddings=True, rope_theta=100000.0, rms_norm_eps=1e-5,
+                    vocab_size=49152),
     "1b": dict(hidden_size=2048, num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
-               intermediate_size=8192, tie_word_embeddings=True, rope_theta=500000.0, rms_norm_eps=1e-5),
+               intermediate_size=8192, tie_word_embeddings=True, rope_theta=500000.0, rms_norm_eps=1e-5,
+               vocab_size=128256),
 }
+MODES = {"full": {}, "ckpt": {"gradient_checkpointing": True},
+         "lora": {"lora_r": 16, "lora_share_backbones": True, "gradient_checkpointing": True}}
 # Dense (no sparsity) bf16 tensor-core peak in TFLOP/s from NVIDIA's datasheets, by a substring of
 # torch.cuda.get_device_name(). First match wins, so the PCIe H100 comes before the SXM one. Names with "NVL" (other
 # clocks and power) and GPUs not listed get no datasheet figure: the measured peak is the denominator then.
@@ -105,9 +117,8 @@ def build_models(size, folder, seed, device):
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM, LlamaForSequenceClassification
 
-    config = LlamaConfig(**SIZES[size], vocab_size=VOCAB, max_position_embeddings=4096, bos_token_id=0,
-                         eos_token_id=0, pad_token_id=0)
-    tokenizer = build_tokenizer(VOCAB)
+    config = LlamaConfig(**SIZES[size], max_position_embeddings=4096, bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    tokenizer = build_tokenizer(config.vocab_size)
     torch.manual_seed(seed)
     with torch.device(device):
         policy = LlamaForCausalLM(config)
@@ -131,12 +142,12 @@ def build_models(size, folder, seed, device):
     return info
 
 
-def write_prompts(folder, n_train, n_eval, query_len, seed):
+def write_prompts(folder, n_train, n_eval, query_len, seed, vocab_size):
     """`n_train` + `n_eval` prompts of `query_len` random words (train.jsonl, test.jsonl) in `folder`."""
     rng = random.Random(seed)
     folder.mkdir(parents=True, exist_ok=True)
     for name, n in (("train.jsonl", n_train), ("test.jsonl", n_eval)):
-        rows = (" ".join(f"w{rng.randrange(2, VOCAB)}" for _ in range(query_len)) for _ in range(n))
+        rows = (" ".join(f"w{rng.randrange(2, vocab_size)}" for _ in range(query_len)) for _ in range(n))
         (folder / name).write_text("".join(json.dumps({"prompt": p}) + "\n" for p in rows))
 
 
@@ -158,7 +169,7 @@ def run_size(args):
         t0 = time.perf_counter()
         info = build_models(args.size, work, args.seed, device)
         n_prompts = args.rollouts * args.updates
-        write_prompts(work / "prompts", n_prompts, 2, args.query_len, args.seed)
+        write_prompts(work / "prompts", n_prompts, 2, args.query_len, args.seed, SIZES[args.size]["vocab_size"])
         build_s = time.perf_counter() - t0
         ppo_args = ppo.Args(
             sft_model_path=str(work / "policy"), reward_model_path=str(work / "reward"),
@@ -168,14 +179,29 @@ def run_size(args):
             batch_size=args.rollouts, num_mini_batches=args.num_mini_batches, gradient_accumulation_steps=1,
             ppo_epochs=args.ppo_epochs, learning_rate=3e-6, kl_coef=0.05,
             local_rollout_forward_batch_size=args.rollouts, eval_every=10**9, eval_prompts=2,
-            num_sample_generations=0, seed=args.seed, **ours_ppo.precision_kwargs(ppo, args.precision))
+            num_sample_generations=0, seed=args.seed, **MODES[args.mode],
+            **ours_ppo.precision_kwargs(ppo, args.precision))
         # The final save is outside the timed updates and would write fp32 policy + value (8.6 GB for 1b): skipped.
-        saved = ppo.save_atomically
-        ppo.save_atomically = lambda *a, **k: None
+        # The peak memory counter is reset at the first sampling (the evaluation before update 1): models loaded.
+        saved, rollout, loaded = ppo.save_atomically, ppo.rollout, []
+
+        def reset_then_rollout(*a, **k):
+            if not loaded:
+                loaded.append(torch.cuda.memory_allocated() if device == "cuda" else 0)
+                if device == "cuda":
+                    torch.cuda.reset_peak_memory_stats()
+            return rollout(*a, **k)
+
+        ppo.save_atomically, ppo.rollout = (lambda *a, **k: None), reset_then_rollout
         try:
             out, marks, main_total_s = ours_ppo.timed_main(ppo, ppo_args, file_order=True)
+            peak_gib = torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else None
+            ppo.rollout = rollout
+            # One more update at learning rate 0 (a fresh run): every PPO ratio should be exactly 1.
+            lr0 = ppo.main(dataclasses.replace(ppo_args, learning_rate=0.0, total_episodes=args.rollouts,
+                                               output_dir=str(work / "lr0"), run_name="lr0"))
         finally:
-            ppo.save_atomically = saved
+            ppo.save_atomically, ppo.rollout = saved, rollout
         history = out["history"]
         ends = marks["start"][1:] + [marks["end"][0]]
         per_update = []
@@ -203,8 +229,12 @@ def run_size(args):
             "phases_s": {n: round(v, 4) for n, v in phases.items()},
             "flops": flops.ppo_update(info["config"], args.rollouts, args.query_len, args.response_len,
                                       args.ppo_epochs),
-            "max_memory_allocated_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2) if device == "cuda"
-            else None,
+            "mode": args.mode,
+            "max_memory_allocated_gib": round(peak_gib, 2) if peak_gib is not None else None,
+            "loaded_gib": round(loaded[0] / 2**30, 2) if loaded else None,
+            "planned_gib": round(planned_gib(args, ppo_args), 2),
+            "kl_at_update_0": out["start"]["eval/kl"],
+            "max_abs_log_ratio_at_lr_0": lr0["history"][0]["ppo/policy/max_abs_log_ratio"],
             "versions": {"torch": torch.__version__, "python": platform.python_version(),
                          **{m: __import__(m).__version__ for m in ("transformers", "accelerate")}},
         }
@@ -212,8 +242,22 @@ def run_size(args):
         shutil.rmtree(work, ignore_errors=True)
 
 
+def planned_gib(args, ppo_args):
+    """benchmarks/memory.py's planned peak (GiB) of this run on a GPU (no CPU runtime term)."""
+    import memory
+
+    micro = args.rollouts // args.num_mini_batches
+    setting = memory.Setting(query_length=args.query_len, response_length=args.response_len,
+                             local_batch_size=args.rollouts, micro_batch_size=micro,
+                             local_rollout_forward_batch_size=args.rollouts,
+                             precision="bf16" if args.precision == "bf16" else "fp32",
+                             lora_r=ppo_args.lora_r, lora_share_backbones=ppo_args.lora_share_backbones,
+                             gradient_checkpointing=ppo_args.gradient_checkpointing)
+    return memory.predict(SIZES[args.size], setting)["peak"] / 2**30
+
+
 # ---------------------------------------------------------------------------------------------------------------
-# The driver: peak, one child per size, JSON and markdown
+# The driver: peak, one child per size and mode, JSON and markdown
 # ---------------------------------------------------------------------------------------------------------------
 def measure_peak(args):
     """The denominators: datasheet bf16 peak (GPU table) and the measured bf16 (and fp32) matmul peak."""
@@ -252,33 +296,37 @@ def markdown(results, peak, args, date):
              f"Workload: {args.rollouts} rollouts x (query {args.query_len} + response {args.response_len}) per "
              f"update, {args.ppo_epochs} epochs x {args.num_mini_batches} minibatches; median of updates "
              f"2..{args.updates}.", "",
-             "| model | params | s/update | tokens/s | generation s | scoring s | training s | other s "
-             "| training TFLOP/s | training MFU | update MFU | peak GPU mem |", "|" + "---|" * 12]
-    for size, r in results.items():
+             "| model, mode | params | s/update | tokens/s | generation s | scoring s | training s | other s "
+             "| training TFLOP/s | training MFU | update MFU | peak GPU mem (planned) | KL at update 0 "
+             "| max abs log ratio at lr 0 |", "|" + "---|" * 14]
+    for run, r in results.items():
         if "error" in r:
-            lines.append(f"| {size} | – | failed: {r['error']} |" + " |" * 9)
+            lines.append(f"| {run} | – | failed: {r['error']} |" + " |" * 11)
             continue
         m = r["mfu"].get("datasheet") or r["mfu"]["measured"]
         p = r["phases_s"]
         mem = f"{r['max_memory_allocated_gib']:.1f} GiB" if r["max_memory_allocated_gib"] is not None else "–"
-        lines.append(f"| {size} | {r['model']['policy_params'] / 1e6:.0f}M | {r['s_per_update']:.3f} "
+        lines.append(f"| {run} | {r['model']['policy_params'] / 1e6:.0f}M | {r['s_per_update']:.3f} "
                      f"| {r['tokens_per_s']:.0f} | {p['generation']:.3f} | {p['scoring']:.3f} | {p['training']:.3f} "
                      f"| {p['other']:.3f} | {m['training']['tflops']:.3g} | {m['training']['fraction_of_peak']:.1%} "
-                     f"| {m['update']['fraction_of_peak']:.1%} | {mem} |")
+                     f"| {m['update']['fraction_of_peak']:.1%} | {mem} ({r['planned_gib']:.1f} GiB) "
+                     f"| {r['kl_at_update_0']:.2g} | {r['max_abs_log_ratio_at_lr_0']:.2g} |")
     basis = "the datasheet dense bf16 peak" if sheet and args.precision == "bf16" else "the measured matmul peak"
     lines += ["", f"MFU = counted matrix-product FLOPs (benchmarks/flops.py) / phase seconds / {basis}. tokens/s = "
-              "rollout tokens (query + response) per second of a whole update."]
+              "rollout tokens (query + response) per second of a whole update. Peak GPU memory: "
+              "torch.cuda.max_memory_allocated after loading; planned: benchmarks/memory.py."]
     return "\n".join(lines)
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--sizes", default="smollm2,1b", help=f"comma-separated, run in this order: {', '.join(SIZES)}")
+    ap.add_argument("--sizes", default="1b", help=f"comma-separated, run in this order: {', '.join(SIZES)}")
+    ap.add_argument("--modes", default="full,ckpt,lora", help=f"comma-separated, for every size: {', '.join(MODES)}")
     ap.add_argument("--out_dir", default=str(BENCH_DIR / "results" / "gpu"),
                     help="gpu_bench.json, gpu_bench.md and log_<size>.txt go here")
     ap.add_argument("--precision", choices=["bf16", "fp32"], default="bf16",
                     help="bf16: ppo.Args(mixed_precision='bf16'); fp32: 'no' (see ours_ppo.precision_kwargs)")
-    ap.add_argument("--updates", type=int, default=5, help="PPO updates per size; the first is left out")
+    ap.add_argument("--updates", type=int, default=4, help="PPO updates per run; the first is left out")
     ap.add_argument("--rollouts", type=int, default=64, help="rollouts per update (batch_size)")
     ap.add_argument("--query_len", type=int, default=64, help="prompt tokens")
     ap.add_argument("--response_len", type=int, default=64, help="sampled tokens per response (always all of them)")
@@ -290,6 +338,7 @@ def main(argv=None):
                     help="wall-clock budget of the whole run: a size still running when it is spent is stopped "
                          "and reported as such (gpu.sh keeps the total under 8 minutes)")
     ap.add_argument("--size", choices=sorted(SIZES), help=argparse.SUPPRESS)  # internal: run one size (child)
+    ap.add_argument("--mode", choices=sorted(MODES), help=argparse.SUPPRESS)  # internal: and this mode
     ap.add_argument("--result", help=argparse.SUPPRESS)  # internal: the child's JSON
     args = ap.parse_args(argv)
     if args.updates < 2:
@@ -300,6 +349,9 @@ def main(argv=None):
     sizes = [s.strip() for s in args.sizes.split(",") if s.strip()]
     if not sizes or set(sizes) - set(SIZES):
         ap.error(f"--sizes: a comma-separated list of {', '.join(SIZES)}")
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    if not modes or set(modes) - set(MODES):
+        ap.error(f"--modes: a comma-separated list of {', '.join(MODES)}")
     import ours_ppo  # stdlib only at import time
 
     if args.precision == "bf16" and not ours_ppo.ppo_has_mixed_precision():
@@ -316,16 +368,17 @@ def main(argv=None):
           f"{peak['measured_tflops']['fp32']:.2f} TFLOP/s; datasheet bf16 {peak['datasheet_bf16_tflops']}", flush=True)
     passed = [a for a in (argv if argv is not None else sys.argv[1:])]
     results = {}
-    for size in sizes:
+    for size, mode in [(size, mode) for size in sizes for mode in modes]:
+        run = f"{size} {mode}"
         left = deadline - time.monotonic()
         if left < 20:
-            results[size] = {"error": "not run: the --budget_s was spent"}
+            results[run] = {"error": "not run: the --budget_s was spent"}
             continue
-        result_path = out_dir / f".result_{size}.json"
-        log = out_dir / f"log_{size}.txt"
+        result_path = out_dir / f".result_{size}_{mode}.json"
+        log = out_dir / f"log_{size}_{mode}.txt"
         t0 = time.monotonic()
-        cmd = [sys.executable, __file__, *passed, "--size", size, "--result", str(result_path)]
-        print(f"[gpu_bench] {size}: running (log {log}, at most {left:.0f} s)", flush=True)
+        cmd = [sys.executable, __file__, *passed, "--size", size, "--mode", mode, "--result", str(result_path)]
+        print(f"[gpu_bench] {run}: running (log {log}, at most {left:.0f} s)", flush=True)
         with open(log, "w") as f:
             try:
                 rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, timeout=left).returncode
@@ -333,22 +386,22 @@ def main(argv=None):
                 rc = "timeout"
         if rc != 0 or not result_path.is_file():
             tail = log.read_text()[-400:].strip().splitlines()
-            results[size] = {"error": f"rc {rc}: {tail[-1] if tail else ''}"[:300]}
-            print(f"[gpu_bench] {size}: FAILED ({results[size]['error']})", flush=True)
+            results[run] = {"error": f"rc {rc}: {tail[-1] if tail else ''}"[:300]}
+            print(f"[gpu_bench] {run}: FAILED ({results[run]['error']})", flush=True)
             continue
         r = json.loads(result_path.read_text())
         result_path.unlink()
         r["mfu"] = mfu_rows(r, peak)
         r["child_wall_s"] = round(time.monotonic() - t0, 1)
-        results[size] = r
+        results[run] = r
         m = r["mfu"].get("datasheet") or r["mfu"]["measured"]
-        print(f"[gpu_bench] {size}: {r['s_per_update']:.3f} s/update, {r['tokens_per_s']:.0f} tokens/s, training "
+        print(f"[gpu_bench] {run}: {r['s_per_update']:.3f} s/update, {r['tokens_per_s']:.0f} tokens/s, training "
               f"MFU {m['training']['fraction_of_peak']:.1%} ({r['child_wall_s']} s in all)", flush=True)
     table = markdown(results, peak, args, date)
     (out_dir / "gpu_bench.md").write_text(table + "\n")
     (out_dir / "gpu_bench.json").write_text(json.dumps({
         "date": date, "command": " ".join([Path(sys.executable).name, *sys.argv]), "peak": peak,
-        "settings": {k: v for k, v in vars(args).items() if k not in ("size", "result")},
+        "settings": {k: v for k, v in vars(args).items() if k not in ("size", "mode", "result")},
         "host": {"cpu_count": os.cpu_count(), "platform": platform.platform()},
         "results": results, "table_md": table}, indent=1))
     print("\n" + table + f"\n\n[gpu_bench] wrote {out_dir / 'gpu_bench.json'} and {out_dir / 'gpu_bench.md'}",

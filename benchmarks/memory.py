@@ -22,8 +22,12 @@ mode, which would convert the weights, is not modelled).
                 are built partitioned, 1/N of them per process, and so is the reference (its own engine,
                 `shard_reference`); the reward model is whole, on the main process only. `multinode` (ppo_multinode.py
                 under any engine): only the main process loads the reward model; ppo.py loads it on every process.
-                DeepSpeed's stage-3 optimizer keeps no second float32 copy of float32 weights: its
-                fp32_partitioned_groups_flat are the parameter partitions themselves (stage3.py), so none is counted.
+  master        DeepSpeed's float32 master copy of this process's partition of the trained weights (1/N of them),
+                kept even when the weights are float32: ZeRO-1/2 always clone the partition (stage_1_and_2.py), and
+                ZeRO-3's branch that would reuse a float32 partition compares a torch.device with a device name
+                string (stage3.py, `_create_fp32_partitions`, DeepSpeed 0.19.8), which is never equal, so it clones
+                too (seen in a per-phase profile of the 151M ZeRO-3 run). Counted since 2026-12-03, after that
+                run's measurement: out of sample no more for ZeRO.
   gradients     float32, one per trained parameter; ZeRO-2/3 divide them by the N processes (ZeRO-3: one flat buffer
                 of this process's partitions, kept between steps). DDP's gradients are views into its all-reduce
                 buckets (`gradient_as_bucket_view=True`): no second copy.
@@ -208,6 +212,7 @@ def predict(m, s):
     terms = {
         "weights": weights,
         "optimizer": 8 * trained / split,
+        "master": 4 * trained / split if s.zero_stage >= 2 else 0,
         "gradients": 4 * trained / split,
         "autocast": 2 * 2 * (adapter if lora else linears) if bf16 else 0,
         "activations": 2 * tokens * per_token,
