@@ -614,7 +614,7 @@ def main(args: Args):
     logging.basicConfig(format="%(asctime)s %(levelname)s %(message)s", level=logging.INFO)
     accelerator = make_accelerator(args)
     args = derive_sizes(args, accelerator.num_processes)
-    sharded = check_sharding(accelerator, args.ds3_gather_for_generation)  # generation in step on every process
+    synced = check_sharding(accelerator, args.ds3_gather_for_generation)  # generation in step on every process
     checkpoint_dir = args.checkpoint_dir or args.output_dir.rstrip("/") + "-checkpoints"
     prepare_run_dirs(accelerator, "ppo", args.output_dir, checkpoint_dir, args.log_dir,
                      {"the SFT model (--sft_model_path)": args.sft_model_path,
@@ -652,7 +652,7 @@ def main(args: Args):
     def log_eval(update):
         with sharded_generation_context(accelerator, model, args.ds3_gather_for_generation):
             metrics, rows = evaluate(accelerator, models, (reward_fn, judge), tokenizer, eval_queries, args,
-                                     stop_token_id, sharded, rng_devices)
+                                     stop_token_id, synced, rng_devices)
         accelerator.log(metrics, step=update)
         gold = f", gold {metrics['eval/gold_scores']:.3f}" if judge else ""
         logger.info(f"update {update}: held-out score {metrics['eval/scores']:.3f} (std "
@@ -679,7 +679,7 @@ def main(args: Args):
         query_ids, query_mask = (t[batch].to(accelerator.device) for t in train_queries)
         with sharded_generation_context(accelerator, model, args.ds3_gather_for_generation), accelerator.autocast():
             responses = rollout(unwrapped.policy, query_ids, query_mask, args, stop_token_id, tokenizer.pad_token_id,
-                                sharded)
+                                synced)
         generation_s = clock(accelerator.device) - start
 
         # --- (2) process responses: real tokens run up to and including the first stop token ---------------------
