@@ -234,9 +234,9 @@ class PolicyAndValue(torch.nn.Module):
 
 def response_logprobs(model, query_responses, attention_mask, context_length, temperature, chunk_entries=2**24):
     """`logprobs` (B, T) float32, log_softmax(logits / temperature) at the response tokens (the probabilities they
-    were sampled with: the PPO ratio's), and `entropy` (B, T), -sum_v p_v log p_v in nats, no gradient. The float32
-    LM head runs on the B x T positions predicting a response token (Q-1+t predicts Q+t, Q = `context_length`), in
-    chunks of `chunk_entries` logits (64 MB), never (B, T, vocab) at once; with gradient each chunk's output stays."""
+    were sampled with: the PPO ratio's), and `entropy` (B, T), -sum_v p_v log p_v in nats, no gradient. The LM head
+    (float32; bf16 in DeepSpeed's bf16 engine) runs on the B x T positions predicting response tokens (Q-1+t predicts
+    Q+t, Q = `context_length`), `chunk_entries` logits at a time, never (B, T, vocab); with gradient each is kept."""
     backbone = getattr(model, model.base_model_prefix)
     hidden = backbone(input_ids=query_responses, attention_mask=attention_mask,
                       position_ids=position_ids_from_mask(attention_mask), use_cache=False).last_hidden_state
@@ -246,7 +246,7 @@ def response_logprobs(model, query_responses, attention_mask, context_length, te
     logprobs, entropy = [], []
     for i in range(0, len(flat), n):
         with torch.autocast(hidden.device.type, enabled=False):  # float32 logits: bf16 ones step by 0.125 at 16-32
-            all_logprobs = F.log_softmax(head(hidden[i : i + n].float()) / temperature, dim=-1)
+            all_logprobs = F.log_softmax(head(hidden[i : i + n].to(head.weight.dtype)).float() / temperature, dim=-1)
         logprobs.append(all_logprobs.gather(1, flat[i : i + n, None]).squeeze(1))
         with torch.no_grad():
             entropy.append(-(all_logprobs.exp() * all_logprobs).sum(-1))
@@ -260,7 +260,7 @@ def token_values(model, query_responses, attention_mask, context_length):
     hidden = backbone(input_ids=query_responses, attention_mask=attention_mask,
                       position_ids=position_ids_from_mask(attention_mask), use_cache=False).last_hidden_state
     with torch.autocast(hidden.device.type, enabled=False):  # the head in float32, as the LM head's
-        return model.score(hidden[:, context_length - 1 : -1].float()).squeeze(-1)
+        return model.score(hidden[:, context_length - 1 : -1].to(model.score.weight.dtype)).float().squeeze(-1)
 
 
 def position_ids_from_mask(attention_mask):
@@ -1056,8 +1056,9 @@ def get_reward(model, input_ids, attention_mask):
                       position_ids=position_ids_from_mask(attention_mask), use_cache=False).last_hidden_state
     positions = torch.arange(input_ids.shape[1], device=input_ids.device)
     last = (positions * attention_mask).argmax(1)  # index of the rightmost real token of each row
+    last_hidden = hidden[torch.arange(len(hidden), device=hidden.device), last]
     with torch.autocast(hidden.device.type, enabled=False):  # the head in float32: no bf16 rounding of the score
-        scores = model.score(hidden[torch.arange(len(hidden), device=hidden.device), last].float()).squeeze(-1)
+        scores = model.score(last_hidden.to(model.score.weight.dtype)).float().squeeze(-1)
     return scores + getattr(model.config, "reward_bias", 0.0)
 
 

@@ -224,8 +224,9 @@ def get_reward(model, input_ids, attention_mask):
                       position_ids=position_ids_from_mask(attention_mask), use_cache=False).last_hidden_state
     positions = torch.arange(input_ids.shape[1], device=input_ids.device)
     last = (positions * attention_mask).argmax(1)  # index of the rightmost real token of each row
+    last_hidden = hidden[torch.arange(len(hidden), device=hidden.device), last]
     with torch.autocast(hidden.device.type, enabled=False):  # the head in float32: no bf16 rounding of the score
-        scores = model.score(hidden[torch.arange(len(hidden), device=hidden.device), last].float()).squeeze(-1)
+        scores = model.score(last_hidden.to(model.score.weight.dtype)).float().squeeze(-1)
     return scores + getattr(model.config, "reward_bias", 0.0)
 
 
