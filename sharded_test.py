@@ -606,7 +606,7 @@ def test_ppo_multinode_in_deepspeed_bf16_at_learning_rate_0(config, tiny, tmp_pa
     the scripts then run each head in its own dtype and take float32 from its output): ppo_multinode.py runs, and at
     learning rate 0 every PPO ratio is exactly 1. The KL at update 0 is exactly 0 under ZeRO-3, whose reference is
     built in the engine's bf16 too; under ZeRO-2 the reference stays float32 while the policy is bf16, so it is small
-    but not 0 (0.00076 on this tiny model): the reference in the engine's dtype is not built yet."""
+    but not 0: the reference in the engine's dtype is not built yet."""
     args = run_args(tiny, tmp_path / "run", run_name="bf16", log_dir=tmp_path / "tb", learning_rate=0,
                     mixed_precision="bf16")
     output = launch_two(config, ["python", "ppo_multinode.py", *[f"--{k}={v}" for k, v in args.items()]], "bf16")
