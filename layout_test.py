@@ -21,8 +21,8 @@ SCRIPTS = ["sft.py", "reward.py", "ppo.py", "ppo_multinode.py"]
 BANNER = "# Plumbing:"
 SHARED = "# --- shared plumbing:"
 # What the PPO scripts keep below the banner: set-up run once before the loop (sizes, the reward function, with the
-# frozen reward model's scoring, the prompts padded to tensors, the models) and the checks, formatting and clock the loop
-# calls. Nothing that computes the update or its evaluation.
+# frozen reward model's scoring, the prompts padded to tensors, the models) and what the loop calls: checks,
+# formatting, the phase clock. Nothing that computes the update or its evaluation.
 PPO_OWN_PLUMBING = {"NOT_TRAINING_CONFIG", "derive_sizes", "check_sharding", "import_reward_fn", "check_score_head",
                     "has_score_head", "load_prompts", "left_pad", "load_models", "make_model_reward",
                     "reward_model_scores", "get_reward", "reward_problem", "check_divergence", "sample_table",

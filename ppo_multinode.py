@@ -259,7 +259,7 @@ def token_values(model, query_responses, attention_mask, context_length):
     backbone = getattr(model, model.base_model_prefix)
     hidden = backbone(input_ids=query_responses, attention_mask=attention_mask,
                       position_ids=position_ids_from_mask(attention_mask), use_cache=False).last_hidden_state
-    with torch.autocast(hidden.device.type, enabled=False):  # the head in float32, as the LM head's
+    with torch.autocast(hidden.device.type, enabled=False):  # the head in its own dtype, as the LM head
         return model.score(hidden[:, context_length - 1 : -1].to(model.score.weight.dtype)).float().squeeze(-1)
 
 
@@ -392,7 +392,7 @@ def rollout_forward_passes(models, query_ids, query_mask, responses, response_ma
         out["logprobs"].append(response_logprobs(policy, qr, am, query_ids.shape[1], args.temperature)[0])
         with adapters_off(ref_policy):  # under LoRA the reference is the policy, adapter off (`load_models`)
             out["ref_logprobs"].append(response_logprobs(ref_policy, qr, am, query_ids.shape[1], args.temperature)[0])
-        if value_model is not None:  # None: no values (evaluation)
+        if value_model is not None:  # evaluation reads no values: it passes None and skips this pass
             out["values"].append(token_values(value_model, qr, am, query_ids.shape[1]))
     return {k: torch.cat(v) for k, v in out.items()}
 
@@ -764,8 +764,8 @@ def main(args: Args):
 # ===============================================================================================================
 # Plumbing: first PPO's own set-up, run once before the loop (batch sizes, the reward function, the prompts padded
 # to tensors, the models; `--reward_fn model` wraps the frozen reward model, whose `get_reward` reward.py teaches),
-# and what the loop calls (checks of a reward's return value and of divergence, the sample table, the phase clock); the
-# block that ends every script word for word (model and data loading, output folders, checkpoints, signals).
+# and what the loop calls (checks of a reward's return value and of divergence, the sample table, the phase clock);
+# then the block that ends every script word for word (model and data loading, output folders, checkpoints, signals).
 # ===============================================================================================================
 # Settings that do not change what is trained: a checkpoint may be resumed with other values for them.
 NOT_TRAINING_CONFIG = {"resume_from", "save_every", "save_total_limit", "checkpoint_dir", "run_name", "log_dir",
@@ -1057,7 +1057,7 @@ def get_reward(model, input_ids, attention_mask):
     positions = torch.arange(input_ids.shape[1], device=input_ids.device)
     last = (positions * attention_mask).argmax(1)  # index of the rightmost real token of each row
     last_hidden = hidden[torch.arange(len(hidden), device=hidden.device), last]
-    with torch.autocast(hidden.device.type, enabled=False):  # the head in float32: no bf16 rounding of the score
+    with torch.autocast(hidden.device.type, enabled=False):  # a float32 head scores unrounded (bf16: DeepSpeed's)
         scores = model.score(last_hidden.to(model.score.weight.dtype)).float().squeeze(-1)
     return scores + getattr(model.config, "reward_bias", 0.0)
 

@@ -225,7 +225,7 @@ def get_reward(model, input_ids, attention_mask):
     positions = torch.arange(input_ids.shape[1], device=input_ids.device)
     last = (positions * attention_mask).argmax(1)  # index of the rightmost real token of each row
     last_hidden = hidden[torch.arange(len(hidden), device=hidden.device), last]
-    with torch.autocast(hidden.device.type, enabled=False):  # the head in float32: no bf16 rounding of the score
+    with torch.autocast(hidden.device.type, enabled=False):  # a float32 head scores unrounded (bf16: DeepSpeed's)
         scores = model.score(last_hidden.to(model.score.weight.dtype)).float().squeeze(-1)
     return scores + getattr(model.config, "reward_bias", 0.0)
 

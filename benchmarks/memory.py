@@ -26,8 +26,8 @@ mode, which would convert the weights, is not modelled).
                 kept even when the weights are float32: ZeRO-1/2 always clone the partition (stage_1_and_2.py), and
                 ZeRO-3's branch that would reuse a float32 partition compares a torch.device with a device name
                 string (stage3.py, `_create_fp32_partitions`, DeepSpeed 0.19.8), which is never equal, so it clones
-                too (seen in a per-phase profile of the 151M ZeRO-3 run). Counted since 2026-12-03, after that
-                run's measurement: out of sample no more for ZeRO.
+                too (seen in a per-phase profile of the 151M ZeRO-3 run). Added after that run was measured, so
+                for ZeRO the planner is no longer tested out of sample.
   gradients     float32, one per trained parameter; ZeRO-2/3 divide them by the N processes (ZeRO-3: one flat buffer
                 of this process's partitions, kept between steps). DDP's gradients are views into its all-reduce
                 buckets (`gradient_as_bucket_view=True`): no second copy.
