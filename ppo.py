@@ -866,9 +866,24 @@ def load_models(args, plugged_reward, tokenizer, accelerator):
             raise ValueError(f"--value_model_path {args.value_model_path!r}: a value model needs the policy's "
                              "tokenizer and one output (a scalar head, or a causal LM, which gets one).")
     share, frozen = args.lora_r > 0 and args.lora_share_backbones, frozen_dtype(accelerator)
+    # DeepSpeed's bf16/fp16 engine runs a prepared model with every parameter in that dtype (norms and heads too; the
+    # buffers stay float32) and no autocast: a frozen model left unprepared is cast so too (ZeRO-3's reference: by an
+    # engine of its own, `shard_reference`), to compute what the policy does (KL 0 at update 0); else as autocast runs.
+    engine_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(accelerator.mixed_precision)
+    if accelerator.distributed_type != DistributedType.DEEPSPEED:
+        engine_dtype = None
+
+    def freeze(model):
+        model.requires_grad_(False)
+        if engine_dtype is None:
+            return cast_frozen_linears(model, frozen)
+        for p in model.parameters():
+            if not hasattr(p, "ds_id"):  # ds_id: partitioned by ZeRO-3, in the engine's dtype already
+                p.data = p.data.to(engine_dtype)
+        return model
+
     policy = load_model(args.sft_model_path, AutoModelForCausalLM)
-    ref_policy = policy if share else cast_frozen_linears(
-        load_model(args.sft_model_path, AutoModelForCausalLM).requires_grad_(False), frozen)
+    ref_policy = policy if share else freeze(load_model(args.sft_model_path, AutoModelForCausalLM))
     value_model = load_model(value_model_path, AutoModelForSequenceClassification, num_labels=1)
     if not has_score_head(value_model.config):
         torch.nn.init.normal_(value_model.score.weight, std=1 / math.sqrt(value_model.score.in_features + 1),
@@ -883,7 +898,7 @@ def load_models(args, plugged_reward, tokenizer, accelerator):
             reward_model, where = value_model, "the value model with its adapter off"
         else:
             reward_model = load_model(args.reward_model_path, AutoModelForSequenceClassification, num_labels=1)
-            reward_model = cast_frozen_linears(reward_model.requires_grad_(False), frozen).eval().to(accelerator.device)
+            reward_model = freeze(reward_model).eval().to(accelerator.device)
             where = f"loaded on {accelerator.device}"
         logger.info(f"reward model: {where} (process {accelerator.process_index}): "
                     + ("it scores the policy's token ids" if same_tokens else "it re-tokenizes the text with its "
