@@ -10,8 +10,8 @@ The planner (`predict`) adds up, for one process (`Setting.rank`; 0 is the main 
 width, i MLP width, kv key/value width, V vocabulary, L layers, "linears" the L (2 h^2 + 2 h kv + 3 h i) weights of
 one backbone's decoder layers (q, k, v, o, gate, up, down), B x T x V the logits of B rows of T response tokens.
 Precision: `precision` is the autocast of ppo.py (one process or DDP). Under ZeRO the planner counts float32
-throughout, as configs/deepspeed_zero2.yaml and deepspeed_zero3.yaml run (mixed_precision 'no'; DeepSpeed's own bf16
-mode, which would convert the weights, is not modelled).
+throughout: configs/deepspeed_zero2.yaml and deepspeed_zero3.yaml run with `--mixed_precision no` (their default,
+DeepSpeed's own bf16, which holds every weight in bf16 beside float32 master copies, is not modelled).
   weights       The trained models in float32: policy and value model whole under full fine-tuning; under LoRA the
                 adapters (and the value head's trained copy). Frozen weights (reference, reward model, and under LoRA
                 the base weights of policy and value model) have their decoder linears held in the autocast's dtype
