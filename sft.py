@@ -42,6 +42,7 @@ import json
 import logging
 import math
 import os
+import re
 import shutil
 import signal
 import socket
@@ -78,7 +79,8 @@ class Args:
     hub cannot be reached (the log says which copy was used)."""
     dataset_name: str = "imdb"
     """`imdb` (built-in IMDB review-ending task), a hub id, or a local json/jsonl(.gz)/csv/parquet file with
-    `prompt`+`completion` columns (or `chosen`+`rejected`, whose chosen reply becomes the completion)."""
+    `prompt`+`completion` columns, text or conversations, or `messages`, or `chosen`+`rejected` (README, "Data
+    formats")."""
     output_dir: str = "runs/imdb/sft"
     """Where the trained model and tokenizer are saved (`save_pretrained`); `reward.py` and `ppo.py` read it."""
     overwrite_output_dir: bool = False
@@ -310,7 +312,7 @@ def main(args: Args):
                      {"the model (--model_name_or_path)": args.model_name_or_path,
                       "the dataset (--dataset_name)": args.dataset_name}, args.overwrite_output_dir)
     tokenizer = load_tokenizer(args.model_name_or_path)
-    train, held_out = load_splits(args.dataset_name, "sft")
+    train, held_out = load_splits(args.dataset_name, "sft", tokenizer)
     if "completion" not in train.column_names and "chosen" in train.column_names:
         train, held_out = train.rename_column("chosen", "completion"), held_out.rename_column("chosen", "completion")
     require_columns(train, ["prompt", "completion"], args.dataset_name)
@@ -758,13 +760,15 @@ def split_prompt(chosen, rejected):
     return chosen[:cut], chosen[cut:], rejected[cut:]
 
 
-def load_splits(dataset_name, stage):
+def load_splits(dataset_name, stage, tokenizer):
     """Load `(train, eval)` datasets for `stage` from `imdb`, a hub id, or a local json/jsonl(.gz)/csv/parquet file.
 
     Hub datasets use their `train` and `test` splits; a local file (or a hub dataset without `test`) holds out every
-    5th row (20%) for evaluation. Pairs without a `prompt` column get one from `split_prompt`, and then `chosen` and
+    5th row (20%) for evaluation. Conversational columns (lists of messages) become text by `tokenizer`'s chat
+    template (`render_chat`). Pairs without a `prompt` column get one from `split_prompt`, and then `chosen` and
     `rejected` hold only the replies. Raises FileNotFoundError for a missing local file and ValueError, naming the
-    file and row, for a file that cannot be read (bad JSON, not UTF-8, empty) or a text column holding non-text.
+    file and row, for a file that cannot be read (bad JSON, not UTF-8, empty) or a column holding neither text nor
+    a conversation.
     """
     if dataset_name == "imdb":
         return build_imdb(stage)
@@ -785,12 +789,37 @@ def load_splits(dataset_name, stage):
             raise ValueError(f"dataset file {dataset_name!r} has no rows.")
     else:
         table = datasets.load_dataset(dataset_name)
+    if tokenizer.chat_template and all("prompt" not in split.column_names and len(split) and str(
+            split[0].get("chosen")).startswith("\n\nHuman:") for split in table.values()):
+        for split_name, split in table.items():  # Anthropic HH: read its turns, for the model's own template
+            pairs = [(hh_conversation(row["chosen"]), hh_conversation(row["rejected"])) for row in split]
+            rows = [{"chosen": c, "rejected": r} for c, r in pairs if c and r and c[:-1] == r[:-1]]
+            logger.info(f"dataset {dataset_name!r} ({split_name} split): Human/Assistant text read as conversations "
+                        f"for the chat template; {len(split) - len(rows)} of {len(split)} pairs that do not alternate "
+                        "turns or share their turns before the last are left out", main_process_only=True)
+            table[split_name] = datasets.Dataset.from_list(rows)
+    chat = False
     for split_name, split in table.items():
-        for column in {"prompt", "completion", "chosen", "rejected"} & set(split.column_names):
+        for column in {"prompt", "completion", "chosen", "rejected", "messages"} & set(split.column_names):
+            kind = list if column == "messages" or isinstance(split[0][column], list) else str
+            chat |= kind is list
             for row, value in enumerate(split[column]):
-                if not isinstance(value, str):
+                if not isinstance(value, kind):
                     raise ValueError(f"dataset {dataset_name!r} ({split_name} split) row {row + 1}: column "
-                                     f"{column!r} holds {type(value).__name__} ({str(value)[:40]!r}), not text.")
+                                     f"{column!r} holds {type(value).__name__} ({str(value)[:40]!r}), not "
+                                     + ("a conversation (a list of messages)." if kind is list else "text."))
+    if chat and not tokenizer.chat_template:
+        raise ValueError(f"dataset {dataset_name!r} is conversational, but the tokenizer has no chat template: add "
+                         "`chat_template` to the model's tokenizer_config.json, or give the data as text.")
+    for split_name, split in table.items():
+        if chat:
+            rows = []
+            for row, values in enumerate(split):
+                try:
+                    rows.append(render_chat(values, tokenizer))
+                except ValueError as error:
+                    raise ValueError(f"dataset {dataset_name!r} ({split_name} split) row {row + 1}: {error}") from None
+            table[split_name] = datasets.Dataset.from_list(rows)
     if "test" in table:
         train, held_out = table["train"], table["test"]
     else:
@@ -805,6 +834,57 @@ def load_splits(dataset_name, stage):
 
         train, held_out = train.map(add_prompt), held_out.map(add_prompt)
     return train, held_out
+
+
+def hh_conversation(text):
+    """Anthropic HH's text ("\\n\\nHuman: ...\\n\\nAssistant: ...") as a list of messages, or None if its turns do not
+    alternate from the user's to the assistant's last."""
+    parts = re.split(r"\n\n(Human|Assistant):", text)
+    messages = [{"role": "user" if who == "Human" else "assistant", "content": content.strip()}
+                for who, content in zip(parts[1::2], parts[2::2])]
+    roles = [m["role"] for m in messages]
+    return messages if roles and roles == ["user", "assistant"] * (len(roles) // 2) and not parts[0].strip() else None
+
+
+def render_chat(row, tokenizer):
+    """A conversational row as text, by the tokenizer's own chat template (`apply_chat_template`). Columns hold lists
+    of {"role", "content"} messages, as in Hugging Face datasets: `messages` (its last turn is the completion, the
+    turns before it the prompt), or `prompt` with `completion` or `chosen`/`rejected` (without a prompt, the pair's
+    shared turns are it). The prompt is rendered with the assistant's turn opened (`add_generation_prompt`); each
+    reply is the text its assistant message adds, up to its end of turn, which must be the tokenizer's EOS: sft.py
+    and reward.py append the EOS token after it and PPO stops there, so all three stages see the same tokens. Only the
+    last assistant turn is a completion (earlier ones are prompt: context, not trained on). Raises ValueError."""
+    if "messages" in row:
+        messages = row.pop("messages")
+        row["prompt"], row["completion"] = messages[:-1], messages[-1:]
+    replies = [key for key in ("completion", "chosen", "rejected") if key in row]
+    if "prompt" not in row:
+        if row["chosen"][:-1] != row["rejected"][:-1]:
+            raise ValueError("chosen and rejected differ before their last turn; add a `prompt` column.")
+        row["prompt"], row["chosen"], row["rejected"] = row["chosen"][:-1], row["chosen"][-1:], row["rejected"][-1:]
+    for key in ["prompt", *replies]:
+        if not isinstance(row[key], list) or not row[key]:
+            raise ValueError(f"{key!r} is {'an empty conversation' if row[key] == [] else 'text'}, not a conversation.")
+        for message in row[key]:
+            if not isinstance(message, dict) or not isinstance(message.get("content"), str) or message.get(
+                    "role") not in ("system", "user", "assistant"):
+                raise ValueError(f"{key!r} holds {str(message)[:60]!r}: a message is {{'role': 'system' | 'user' | "
+                                 "'assistant', 'content': text}.")
+    if row["prompt"][-1]["role"] != "user":
+        raise ValueError(f"the prompt ends with a {row['prompt'][-1]['role']} turn; it must end with the user's.")
+    prompt = tokenizer.apply_chat_template(row["prompt"], tokenize=False, add_generation_prompt=True)
+    for key in replies:
+        if [m["role"] for m in row[key]] != ["assistant"]:
+            raise ValueError(f"{key!r} must be one assistant message, not {[m['role'] for m in row[key]]}.")
+        text = tokenizer.apply_chat_template(row["prompt"] + row[key], tokenize=False)
+        end = text.rfind(tokenizer.eos_token)
+        if not text.startswith(prompt) or end < len(prompt):
+            raise ValueError(f"the chat template does not close the assistant's turn with the EOS "
+                             f"{tokenizer.eos_token!r} after the prompt it renders; set `eos_token` in the model's "
+                             "tokenizer_config.json to the template's end of turn.")
+        row[key] = text[len(prompt) : end]
+    row["prompt"] = prompt
+    return row
 
 
 def check_json_lines(path):

@@ -523,7 +523,7 @@ def test_reward_bias_centres_the_held_out_scores(tiny_chain):
     rm = AutoModelForSequenceClassification.from_pretrained(out / "reward").eval()
     tokenizer = AutoTokenizer.from_pretrained(out / "reward")
     defaults = reward.Args()
-    _, held_out = reward.load_splits("imdb", "rm")
+    _, held_out = reward.load_splits("imdb", "rm", tokenizer)
     pairs = reward.tokenize_pairs(held_out.select(range(8)).to_dict(), tokenizer, defaults.max_prompt_length,
                                   defaults.max_length)
     batch = reward.collate_pairs(pairs, tokenizer.pad_token_id)
@@ -547,7 +547,8 @@ def test_split_prompt_hh_style():
 
 @pytest.mark.skipif(not os.path.exists(HH_FILE), reason="../shared/data/hh-rlhf not present")
 def test_hh_file_holds_out_a_fifth():
-    train, held_out = ppo.load_splits(HH_FILE, "rm")
+    """Read as text (a tokenizer without a chat template; with one, chat_test.py)."""
+    train, held_out = ppo.load_splits(HH_FILE, "rm", types.SimpleNamespace(chat_template=None))
     with gzip.open(HH_FILE, "rt") as f:
         n = sum(1 for _ in f)
     assert len(train) + len(held_out) == n and len(held_out) == (n + 4) // 5
@@ -570,7 +571,7 @@ def test_imdb_task_is_split_and_balanced():
 def test_missing_columns_give_a_clear_error(tmp_path):
     path = tmp_path / "bad.jsonl"
     path.write_text("\n".join(json.dumps({"text": f"row {i}"}) for i in range(10)))
-    train, _ = ppo.load_splits(str(path), "ppo")
+    train, _ = ppo.load_splits(str(path), "ppo", types.SimpleNamespace(chat_template=None))
     with pytest.raises(ValueError, match=r"lacks column\(s\) \['prompt'\]"):
         ppo.require_columns(train, ["prompt"], str(path))
 

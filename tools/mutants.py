@@ -56,6 +56,7 @@ S = "sharded_test.py::"
 M = "multinode_test.py::"
 L = "lora_test.py::"
 Y = "memory_test.py::"
+C = "chat_test.py::"
 
 MUTANTS = [
     # --- resuming and signals ------------------------------------------------------------------------------------
@@ -308,6 +309,15 @@ MUTANTS = [
     Mutant("sft-loss-in-bf16", "sft.py", "the SFT loss's log-softmax in the logits' dtype (bf16 in DeepSpeed's bf16)",
            [("F.cross_entropy(logits.float().flatten(0, 1)", "F.cross_entropy(logits.flatten(0, 1)")],
            S + "test_sft_in_deepspeed_bf16_trains_as_ddp_bf16"),
+    Mutant("chat-prompt-turn-not-opened", "sft.py", "a conversational prompt rendered without the assistant's turn",
+           [("tokenize=False, add_generation_prompt=True)", "tokenize=False)")],
+           C + "test_conversations_render_as_the_chat_template_does", fast=True),
+    Mutant("chat-reply-keeps-end-of-turn", "sft.py", "a reply keeps the template's end of turn (trained on twice)",
+           [("        row[key] = text[len(prompt) : end]", "        row[key] = text[len(prompt) :]")],
+           C + "test_sft_loss_covers_the_reply_and_its_end_of_turn_only", fast=True),
+    Mutant("hh-read-as-text", "sft.py", "Anthropic HH stays raw Human/Assistant text under a chat model",
+           [("    if tokenizer.chat_template and all(\"prompt\" not in", "    if False and all(\"prompt\" not in")],
+           C + "test_hh_text_is_read_as_conversations", fast=True),
     Mutant("zero3-one-sub-group", "ppo.py", "ZeRO-3 steps the optimizer in one sub-group of 1B parameters",
            [('"sub_group_size": 10 * hidden_size**2}.items():', '}.items():')],
            Y + "test_zero3_buffers_follow_the_model_shape_and_a_config_value_wins", fast=True),
@@ -469,6 +479,9 @@ def main():
     for path in repository_files(HERE):
         os.makedirs(os.path.dirname(os.path.join(copy, path)), exist_ok=True)
         shutil.copy2(os.path.join(HERE, path), os.path.join(copy, path))
+    shared = os.path.join(HERE, "..", "shared")  # the data beside the project (HH), where the tests look for it
+    if os.path.isdir(shared):
+        os.symlink(os.path.abspath(shared), os.path.join(scratch, "shared"))
     print(f"{len(selected)} mutants; scratch copy {copy}", flush=True)
     try:
         baseline = {}
