@@ -245,17 +245,24 @@ def launch(num_processes, args):
     return run(launcher + args, env={"ACCELERATE_USE_CPU": "true"})
 
 
-@pytest.mark.parametrize("stage", ["sft", "reward"])
+@pytest.mark.parametrize("stage", ["sft", "reward", "sft_chat"])
 def test_one_process_accumulating_equals_two_processes(stage, tiny_model_dir, tiny_rm_dir, tmp_path):  # noqa: F811
     """The same global batch of 8, cut three ways: 1 process x 2 microbatches of 4, 2 processes x 1 of 4, and (SFT)
     1 process x 1 microbatch of 8. SFT completions differ in length, so this also checks that the loss is the
-    token mean of the whole batch, not a mean of microbatch means (reward pairs weigh equally either way)."""
+    token mean of the whole batch, not a mean of microbatch means (reward pairs weigh equally either way).
+    `sft_chat`: SFT on conversations (`messages`, rendered by the tokenizer's chat template on every process)."""
+    extra = ["--learning_rate", "1e-3"]
+    if stage == "sft_chat":
+        stage, chat = "sft", tmp_path / "chat.jsonl"
+        chat.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"Count to {i}."}, {
+            "role": "assistant", "content": " ".join(str(n) for n in range(1, i + 2))}]}) + "\n" for i in range(40)))
+        extra += ["--dataset_name", str(chat)]
     layouts = [(1, 2, 4), (2, 1, 4)] + ([(1, 1, 8)] if stage == "sft" else [])
     outs = []
     for processes, accumulation, per_device in layouts:
         out = str(tmp_path / f"p{processes}u{accumulation}")
         cmd = stage_command(stage, tiny_model_dir, tiny_rm_dir, out, os.path.basename(out),
-                            ["--gradient_accumulation_steps", str(accumulation), "--learning_rate", "1e-3"])
+                            ["--gradient_accumulation_steps", str(accumulation), *extra])
         cmd = [c for c in cmd[1:]]  # drop the interpreter: accelerate launch starts the script
         cmd[cmd.index("--max_steps") + 1] = "2"
         cmd[cmd.index("--per_device_train_batch_size") + 1] = str(per_device)
