@@ -93,10 +93,11 @@ def test_reward_model_reads_the_rendered_conversation(tokenizer, tmp_path):
     ([{"messages": []}], "'prompt' is an empty conversation"),
     ([{"messages": [turn("user", "a"), {"role": "assistant"}]}], "a message is {'role'"),
     ([{"messages": [turn("user", "a"), turn("robot", "b")]}], "a message is {'role'"),
-    ([{"prompt": [turn("user", "a"), turn("assistant", "b")]}], "the prompt ends with a assistant turn"),
+    ([{"prompt": [turn("user", "a"), turn("assistant", "b")]}], "the prompt's last turn is the assistant's"),
     ([{"prompt": [turn("user", "a")], "completion": [turn("assistant", "b"), turn("assistant", "c")]}],
      "'completion' must be one assistant message"),
     ([{"prompt": "text", "completion": [turn("assistant", "b")]}], "'prompt' is text, not a conversation"),
+    ([{"completion": [turn("assistant", "b")]}], "a conversation needs a `prompt` column"),
     ([{"chosen": [turn("user", "a"), turn("assistant", "b")],
        "rejected": [turn("user", "x"), turn("assistant", "c")]}],
      "chosen and rejected differ before their last turn"),
@@ -160,7 +161,8 @@ def test_chat_pipeline_runs_and_ppo_stops_at_the_end_of_turn(tiny_model_dir, tmp
                 ["ppo.py", "--sft_model_path", str(tmp_path / "sft"), "--reward_model_path", str(tmp_path / "rm"),
                  "--dataset_name", ppo_data, "--total_episodes", "8", "--batch_size", "8", "--num_mini_batches", "2",
                  "--query_length", "48", "--response_length", "8", "--eval_prompts", "4",
-                 "--local_rollout_forward_batch_size", "8", "--output_dir", str(tmp_path / "ppo"), "--run_name", "chat"]]
+                 "--local_rollout_forward_batch_size", "8", "--output_dir", str(tmp_path / "ppo"),
+                 "--run_name", "chat"]]
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     for command in commands:
         proc = subprocess.run([sys.executable, *command, *common], cwd=HERE, env=env, capture_output=True, text=True,

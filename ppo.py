@@ -1354,10 +1354,11 @@ def load_splits(dataset_name, stage, tokenizer):
 
     Hub datasets use their `train` and `test` splits; a local file (or a hub dataset without `test`) holds out every
     5th row (20%) for evaluation. Conversational columns (lists of messages) become text by `tokenizer`'s chat
-    template (`render_chat`). Pairs without a `prompt` column get one from `split_prompt`, and then `chosen` and
-    `rejected` hold only the replies. Raises FileNotFoundError for a missing local file and ValueError, naming the
-    file and row, for a file that cannot be read (bad JSON, not UTF-8, empty) or a column holding neither text nor
-    a conversation.
+    template (`render_chat`), and so does Anthropic HH's text when there is a template (`hh_conversation`; the pairs
+    whose turns it cannot read are left out, counted in the log). Pairs without a `prompt` column get one from
+    `split_prompt`, and then `chosen` and `rejected` hold only the replies. Raises FileNotFoundError for a missing
+    local file and ValueError, naming the file and row, for a file that cannot be read (bad JSON, not UTF-8, empty)
+    or a column holding neither text nor a conversation.
     """
     if dataset_name == "imdb":
         return build_imdb(stage)
@@ -1448,6 +1449,8 @@ def render_chat(row, tokenizer):
         row["prompt"], row["completion"] = messages[:-1], messages[-1:]
     replies = [key for key in ("completion", "chosen", "rejected") if key in row]
     if "prompt" not in row:
+        if not {"chosen", "rejected"} <= row.keys():
+            raise ValueError("a conversation needs a `prompt` column (or `messages`, or `chosen` and `rejected`).")
         if row["chosen"][:-1] != row["rejected"][:-1]:
             raise ValueError("chosen and rejected differ before their last turn; add a `prompt` column.")
         row["prompt"], row["chosen"], row["rejected"] = row["chosen"][:-1], row["chosen"][-1:], row["rejected"][-1:]
@@ -1460,7 +1463,7 @@ def render_chat(row, tokenizer):
                 raise ValueError(f"{key!r} holds {str(message)[:60]!r}: a message is {{'role': 'system' | 'user' | "
                                  "'assistant', 'content': text}.")
     if row["prompt"][-1]["role"] != "user":
-        raise ValueError(f"the prompt ends with a {row['prompt'][-1]['role']} turn; it must end with the user's.")
+        raise ValueError(f"the prompt's last turn is the {row['prompt'][-1]['role']}'s; it must be the user's.")
     prompt = tokenizer.apply_chat_template(row["prompt"], tokenize=False, add_generation_prompt=True)
     for key in replies:
         if [m["role"] for m in row[key]] != ["assistant"]:
