@@ -148,18 +148,29 @@ def stage_command(stage, model_dir, rm_dir, out, run_name, extra=()):
             "--per_device_train_batch_size", "4", "--eval_every", "100", "--eval_samples", "8", *common, *extra]
 
 
+def chat_data(path):
+    """A conversational file (`messages`: a user's question, the assistant's reply of 1-40 numbers) at `path`; its
+    path. sft.py trains on the replies, the PPO scripts take the questions as prompts (README, "Data formats")."""
+    path.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"Count to {i}."}, {
+        "role": "assistant", "content": " ".join(str(n) for n in range(1, i + 2))}]}) + "\n" for i in range(40)))
+    return str(path)
+
+
 @pytest.mark.parametrize("stage, precision", [("sft", "no"), ("reward", "no"), ("ppo", "no"), ("ppo", "bf16"),
-                                              ("ppo_lora", "no")])
+                                              ("ppo_lora", "no"), ("ppo_chat", "no")])
 def test_kill_and_resume_equals_uninterrupted(stage, precision, tiny_model_dir, tiny_rm_dir, tmp_path):  # noqa: F811
     """SIGKILLed after its step-3 checkpoint and resumed with `--resume_from latest`, a 6-step run ends as the
     uninterrupted one: the same weights, the same metrics at steps 4-6, and the same training state in the step-6
     checkpoints (optimizer, scheduler, random states: `assert_same_checkpoint_state`). And the resumed run did start
     at step 4 (`assert_resumed_at`): a rerun from step 0 would end in the same place. `ppo_lora`: ppo.py with LoRA
-    adapters on policy and value model, the reference and reward model sharing their backbones."""
+    adapters on policy and value model, the reference and reward model sharing their backbones. `ppo_chat`: ppo.py
+    on conversational prompts (`chat_data`), rendered by the tokenizer's chat template."""
     straight, killed = str(tmp_path / "straight"), str(tmp_path / "killed")
     flags = ["--mixed_precision", precision]
     if stage == "ppo_lora":
         stage, flags = "ppo", flags + ["--lora_r", "4", "--learning_rate", "1e-3"]
+    if stage == "ppo_chat":
+        stage, flags = "ppo", flags + ["--dataset_name", chat_data(tmp_path / "chat.jsonl")]
     run(stage_command(stage, tiny_model_dir, tiny_rm_dir, straight, "straight", ["--save_every", "3", *flags]))
     checkpoints = killed + "-checkpoints"
     command = stage_command(stage, tiny_model_dir, tiny_rm_dir, killed, "killed", ["--save_every", "3", *flags])
@@ -253,10 +264,7 @@ def test_one_process_accumulating_equals_two_processes(stage, tiny_model_dir, ti
     `sft_chat`: SFT on conversations (`messages`, rendered by the tokenizer's chat template on every process)."""
     extra = ["--learning_rate", "1e-3"]
     if stage == "sft_chat":
-        stage, chat = "sft", tmp_path / "chat.jsonl"
-        chat.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"Count to {i}."}, {
-            "role": "assistant", "content": " ".join(str(n) for n in range(1, i + 2))}]}) + "\n" for i in range(40)))
-        extra += ["--dataset_name", str(chat)]
+        stage, extra = "sft", extra + ["--dataset_name", chat_data(tmp_path / "chat.jsonl")]
     layouts = [(1, 2, 4), (2, 1, 4)] + ([(1, 1, 8)] if stage == "sft" else [])
     outs = []
     for processes, accumulation, per_device in layouts:
