@@ -4,9 +4,9 @@ This is ppo.py with only what scaling out changes (`diff ppo.py ppo_multinode.py
   - step (3): the main process gathers every process's texts (rank order, then row order), calls `reward_fn` ONCE
     on all of them, inside `torch.random.fork_rng`, and scatters the scores back: process i gets its own rows' scores.
   - only the main process loads the reward model, on `--reward_device` (e.g. `cuda:7`, a GPU no trainer uses).
-  - ZeRO-3 and FSDP (versions 1 and 2) shard the weights: ZeRO-3 builds the models partitioned and gathers them
-    whole once per generation (`--ds3_gather_for_generation`); FSDP generates with `synced_gpus` (every process steps
-    until all have stopped; `sharded_generation_context`); every process evaluates eval_prompts // processes prompts.
+  - ZeRO-3 and FSDP (versions 1 and 2) shard the weights (ZeRO-3 builds them partitioned); generation gathers them
+    once (`--gather_for_generation`; not FSDP version 1, which steps all processes until all stop: `synced_gpus`);
+    every process evaluates eval_prompts // processes prompts.
 
 Run it (README.md, "Several nodes": several nodes, FSDP, hostfiles, NCCL, and which runs are tested on CPU processes):
     python ppo_multinode.py                                 # 1 process: the same run, metric for metric, as ppo.py
@@ -179,9 +179,9 @@ class Args:
     """With --lora_r: the reference is the policy with its adapter off, and the reward model the value model with its
     adapter off when the value model starts from it, so the four roles need two backbones; False loads them apart.
     Under ZeRO-3 and FSDP the reward model is loaded apart regardless: the main process scores alone."""
-    ds3_gather_for_generation: bool = True
-    """ZeRO-3: gather policy and value model whole once per generation, not layer by layer at every new token (TRL's
-    flag of this name); False for models too large to hold whole on one device."""
+    gather_for_generation: bool = True
+    """ZeRO-3, FSDP version 2: gather policy and value model whole once per generation, not each layer at every new
+    token (TRL's `ds3_gather_for_generation`); False for models too large to hold whole on one device."""
     # --- evaluation, logging, saving ---
     eval_every: int = 5
     """PPO updates between held-out evaluations (also run before the first and after the last update)."""
@@ -270,24 +270,25 @@ def position_ids_from_mask(attention_mask):
 
 
 def sharded_generation_context(accelerator, model, gather=False):
-    """Context in which the unwrapped policy and value model (`model`: the prepared `PolicyAndValue`) run outside the
-    wrapper's forward. FSDP gathers the root unit's parameters (embeddings, final norm, heads) only in that forward:
-    version 1's `summon_full_params(recurse=False)` or version 2's `unshard` gathers them meanwhile (`_lazy_init`,
-    private in torch 2.x, first makes the wrapper FSDP2's root); each layer gathers its own. ZeRO-3 gathers layer by
-    layer too, or, with `gather`, all at once (DeepSpeed's `unwrap_model_for_generation`, hooks lifted meanwhile)."""
+    """Where the unwrapped `model` (the prepared `PolicyAndValue`) runs outside the wrapper's forward, the only place
+    FSDP gathers its root unit (embeddings, final norm, heads): version 1's `summon_full_params(recurse=False)` or
+    version 2's `unshard` (after the private `_lazy_init`). Each layer gathers itself at each use or, with `gather`,
+    once: FSDP2's stay gathered, ZeRO-3's hooks are lifted (DeepSpeed's `unwrap_model_for_generation`)."""
     if accelerator.is_fsdp2:
         model._get_fsdp_state()._lazy_init()
-        model.unshard()
         context = contextlib.ExitStack()
-        context.callback(model.reshard)
+        for unit in [m for m in model.modules() if hasattr(m, "unshard") and (gather or m is model)]:  # FSDPModule
+            unit.set_reshard_after_forward(False, recurse=False)  # the root's own setting is False
+            context.callback(unit.set_reshard_after_forward,
+                             unit is not model and accelerator.state.fsdp_plugin.reshard_after_forward, recurse=False)
+            unit.unshard()
+            context.callback(unit.reshard)
         return context
     if accelerator.distributed_type == DistributedType.FSDP:
         from torch.distributed.fsdp import FullyShardedDataParallel
-
         return FullyShardedDataParallel.summon_full_params(model, recurse=False, writeback=False)
     if gather and accelerator.state.deepspeed_plugin and accelerator.state.deepspeed_plugin.zero_stage == 3:
         from deepspeed.runtime.zero.stage3 import unwrap_model_for_generation
-
         return unwrap_model_for_generation(model)
     return contextlib.nullcontext()
 
@@ -614,7 +615,7 @@ def main(args: Args):
     logging.basicConfig(format="%(asctime)s %(levelname)s %(message)s", level=logging.INFO)
     accelerator = make_accelerator(args)
     args = derive_sizes(args, accelerator.num_processes)
-    synced = check_sharding(accelerator, args.ds3_gather_for_generation)  # generation in step on every process
+    synced = check_sharding(accelerator, args.gather_for_generation)  # generation in step on every process
     checkpoint_dir = args.checkpoint_dir or args.output_dir.rstrip("/") + "-checkpoints"
     prepare_run_dirs(accelerator, "ppo", args.output_dir, checkpoint_dir, args.log_dir,
                      {"the SFT model (--sft_model_path)": args.sft_model_path,
@@ -650,7 +651,7 @@ def main(args: Args):
                               config={k: v for k, v in vars(args).items() if v is not None})
 
     def log_eval(update):
-        with sharded_generation_context(accelerator, model, args.ds3_gather_for_generation):
+        with sharded_generation_context(accelerator, model, args.gather_for_generation):
             metrics, rows = evaluate(accelerator, models, (reward_fn, judge), tokenizer, eval_queries, args,
                                      stop_token_id, synced, rng_devices)
         accelerator.log(metrics, step=update)
@@ -677,7 +678,7 @@ def main(args: Args):
         batch = prompt_indices(update, len(train_queries[0]), args.batch_size, args.seed, accelerator.process_index,
                                accelerator.num_processes)
         query_ids, query_mask = (t[batch].to(accelerator.device) for t in train_queries)
-        with sharded_generation_context(accelerator, model, args.ds3_gather_for_generation), accelerator.autocast():
+        with sharded_generation_context(accelerator, model, args.gather_for_generation), accelerator.autocast():
             responses = rollout(unwrapped.policy, query_ids, query_mask, args, stop_token_id, tokenizer.pad_token_id,
                                 synced)
         generation_s = clock(accelerator.device) - start
@@ -811,13 +812,14 @@ def derive_sizes(args, num_processes):
     return args
 
 
-def check_sharding(accelerator, ds3_gather=False):
+def check_sharding(accelerator, gather=False):
     """ZeRO-3 and FSDP shard the weights: every generation step is then a collective, and a process that stops
     sampling early would leave the others waiting forever. Returns whether they are on (`rollout`'s `synced_gpus`),
-    under ZeRO-3 only if its weights are not gathered whole for generation (`ds3_gather`)."""
+    under ZeRO-3 and FSDP version 2 only if the weights are not gathered whole for generation (`gather`)."""
     plugin = accelerator.state.deepspeed_plugin
     zero3 = plugin is not None and plugin.zero_stage == 3
-    return (zero3 and not ds3_gather) or accelerator.distributed_type == DistributedType.FSDP
+    return (zero3 or accelerator.distributed_type == DistributedType.FSDP) and not (
+        gather and (zero3 or accelerator.is_fsdp2))
 
 
 def import_reward_fn(reward_fn, reward_model_path, flag="--reward_fn"):

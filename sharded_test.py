@@ -426,9 +426,10 @@ module.run_as_command(module.main, tyro.cli(module.Args))
 '''
 
 
-def launch_fsdp(args, run_name, tmp_path, config="fsdp"):
-    """`launch_two` under configs/fsdp.yaml (or `config`), through the FSDP_ON_CPU driver (see its docstring for the
-    five adaptations of accelerate and PyTorch, in the test's processes only). Checks that every model `prepare`
+def launch_fsdp(args, run_name, tmp_path, config="fsdp", env_extra=None):
+    """`launch_two` under configs/fsdp.yaml (or `config`), the variables `env_extra` added, through the FSDP_ON_CPU
+    driver (see its docstring for the five adaptations of accelerate and PyTorch, in the test's processes only).
+    Checks that every model `prepare`
     returned on each of the 2 processes is FSDP-wrapped and holds about half of its parameters, the other half on the
     other process."""
     driver = tmp_path / "fsdp_on_cpu.py"
@@ -436,7 +437,7 @@ def launch_fsdp(args, run_name, tmp_path, config="fsdp"):
     report_dir = tmp_path / f"fsdp_report_{run_name}"
     report_dir.mkdir()
     output = launch_two(config, [args[0], str(driver), *args[1:]], run_name,
-                        {"ACCELERATE_USE_CPU": "true", "FSDP_REPORT_DIR": str(report_dir)})
+                        {"ACCELERATE_USE_CPU": "true", "FSDP_REPORT_DIR": str(report_dir), **(env_extra or {})})
     reports = [json.loads((report_dir / f"rank{rank}.json").read_text()) for rank in (0, 1)]
     assert reports[0] and len(reports[0]) == len(reports[1]), reports
     for models in zip(*reports):
@@ -573,8 +574,9 @@ def counted(name):
 
 
 collectives.append(0)  # the count outside generation, thrown away at the first call
-for name in ("all_gather_into_tensor", "all_gather", "all_reduce", "broadcast"):
-    counted(name)
+for name in ("all_gather_into_tensor", "all_gather", "all_gather_single", "all_reduce", "broadcast"):
+    if hasattr(torch.distributed, name):  # all_gather_single: FSDP version 2's gathers (torch 2.13)
+        counted(name)
 
 
 def generate_with(model, generation_config, **inputs):
@@ -641,7 +643,7 @@ def test_sft_in_deepspeed_bf16_trains_as_ddp_bf16(tiny_model_dir, tmp_path):  # 
 @needs_deepspeed
 def test_zero3_generation_gathers_once_or_stays_in_step(tiny, tmp_path):  # noqa: F811
     """Process 0 generates 2 new tokens per call and process 1 six (the UNEVEN_GENERATION driver), under ZeRO-3.
-    By default (--ds3_gather_for_generation) the weights are gathered whole before generation: no collective runs
+    By default (--gather_for_generation) the weights are gathered whole before generation: no collective runs
     inside it, the processes need not step together, and the 2-update run ends as the layer-by-layer run does (same
     metrics and weights: the same responses). Layer by layer, every generation step gathers weights, a collective:
     synced generation keeps process 0 stepping until process 1 is done. The layer-by-layer run with synced generation
@@ -656,7 +658,7 @@ def test_zero3_generation_gathers_once_or_stays_in_step(tiny, tmp_path):  # noqa
         report_dir.mkdir()
         args = run_args(tiny, tmp_path / name, run_name=name, log_dir=tmp_path / "tb", dist_timeout_s=20)
         cmd = ["python", str(driver), *[f"--{k}={v}" for k, v in args.items()]]
-        cmd += [] if gather else ["--no-ds3_gather_for_generation"]
+        cmd += [] if gather else ["--no-gather_for_generation"]
         env = {"UNEVEN_SYNCED": synced, "UNEVEN_REPORT_DIR": str(report_dir)}
         start = time.monotonic()
         outputs[name] = launch_two("deepspeed_zero3", cmd, name, env, fails=name == "synced0")
@@ -677,6 +679,33 @@ def test_zero3_generation_gathers_once_or_stays_in_step(tiny, tmp_path):  # noqa
     assert assert_same_scalars(str(tmp_path / "tb"), "synced1", "gathered", {0, 1, 2}) >= 12
     for folder in ("model", "model/value_model"):
         assert_same_saved_weights(str(tmp_path / "synced1" / folder), str(tmp_path / "gathered" / folder))
+
+
+def test_fsdp2_generation_gathers_once_or_stays_in_step(tiny, tmp_path):  # noqa: F811
+    """The same under FSDP version 2 (`launch_fsdp` running the UNEVEN_GENERATION driver): process 0 generates 2 new
+    tokens per call, process 1 six. With --gather_for_generation (the default) every unit is gathered before
+    generation and kept so (`sharded_generation_context`): no collective inside generation, and the processes need not
+    step together; without it each layer gathers at every token (more than 10 collectives a call), in step. The two
+    2-update runs end equal (metrics, weights): the same responses."""
+    driver = tmp_path / "uneven_generation.py"
+    driver.write_text(UNEVEN_GENERATION)
+    reports = {}
+    for name, gather, synced in (("gathered", True, "0"), ("synced1", False, "1")):
+        report_dir = tmp_path / f"report_{name}"
+        report_dir.mkdir()
+        args = run_args(tiny, tmp_path / name, run_name=name, log_dir=tmp_path / "tb", dist_timeout_s=20)
+        cmd = ["python", str(driver), *[f"--{k}={v}" for k, v in args.items()]]
+        cmd += [] if gather else ["--no-gather_for_generation"]
+        launch_fsdp(cmd, name, tmp_path, fsdp2_config(tmp_path),
+                    {"UNEVEN_SYNCED": synced, "UNEVEN_REPORT_DIR": str(report_dir)})
+        reports[name] = [json.loads((report_dir / f"rank{rank}.json").read_text()) for rank in (0, 1)]
+        lengths = [report["lengths"] for report in reports[name]]
+        assert len(lengths[0]) == len(lengths[1]) == 4 and max(lengths[0]) <= 2 < min(lengths[1]), lengths
+    counts = {name: [report["collectives"][:4] for report in reports[name]] for name in reports}
+    assert counts["gathered"] == [[0] * 4] * 2 and min(min(c) for c in counts["synced1"]) > 10, counts
+    assert assert_same_scalars(str(tmp_path / "tb"), "synced1", "gathered", {0, 1, 2}, FSDP_ATOL) >= 12
+    for folder in ("model", "model/value_model"):
+        assert_same_saved_weights(str(tmp_path / "synced1" / folder), str(tmp_path / "gathered" / folder), FSDP_ATOL)
 
 
 @pytest.mark.parametrize("config", [pytest.param("deepspeed_zero3", marks=needs_deepspeed), "fsdp"])

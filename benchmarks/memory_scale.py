@@ -12,7 +12,7 @@ embeddings), float32, one `ppo_multinode.py` update of the default shapes (32 ro
 minibatches x 2 microbatches, 2 epochs) and the evaluation of 32 prompts before and after; each engine one
 `accelerate launch` of 2 processes (DDP over gloo; ZeRO-3 on DeepSpeed's CPU accelerator, configs/deepspeed_zero3.yaml).
 Every process writes its own peak RSS (VmHWM) when it ends: the main process also holds the reward model.
-`zero3_layers` is ZeRO-3 with `--no-ds3_gather_for_generation` (generation gathers each layer at every new token);
+`zero3_layers` is ZeRO-3 with `--no-gather_for_generation` (generation gathers each layer at every new token);
 each run also reports its update's generation seconds (`time/generation`, tensorboard).
 `lora`: a 0.49B Llama (24 layers, 1024 wide, 16 heads, 4 key/value heads, MLP 5120, the same vocabulary, tied), one
 `ppo.py` update of the default shapes with `--lora_r 16` (shared backbones) under bf16, one process, its peak RSS
@@ -114,7 +114,7 @@ def launch_two(engine, repo, work, models, default_malloc=False):
     else:
         launcher += ["--config_file", os.path.join(repo, "configs", "deepspeed_zero3.yaml")]
     flags = common_flags(models, out, engine) + ["--mixed_precision", "no"]
-    flags += ["--no-ds3_gather_for_generation"] if engine == "zero3_layers" else []
+    flags += ["--no-gather_for_generation"] if engine == "zero3_layers" else []
     with open(os.path.join(out, "output.txt"), "w") as log:
         proc = subprocess.run(launcher + [driver] + flags, cwd=repo, env=env, stdout=log, stderr=subprocess.STDOUT)
     if proc.returncode != 0:

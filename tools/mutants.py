@@ -318,6 +318,9 @@ MUTANTS = [
     Mutant("hh-read-as-text", "sft.py", "Anthropic HH stays raw Human/Assistant text under a chat model",
            [("    if tokenizer.chat_template and all(\"prompt\" not in", "    if False and all(\"prompt\" not in")],
            C + "test_hh_text_is_read_as_conversations"),  # not fast: CI's clone may lack ../shared (HH)
+    Mutant("fsdp2-generation-layer-by-layer", "ppo_multinode.py", "FSDP2 generation gathers each layer at each token",
+           [('if hasattr(m, "unshard") and (gather or m is model)]', 'if hasattr(m, "unshard") and m is model]')],
+           S + "test_fsdp2_generation_gathers_once_or_stays_in_step"),
     Mutant("zero3-one-sub-group", "ppo.py", "ZeRO-3 steps the optimizer in one sub-group of 1B parameters",
            [('"sub_group_size": 10 * hidden_size**2}.items():', '}.items():')],
            Y + "test_zero3_buffers_follow_the_model_shape_and_a_config_value_wins", fast=True),
