@@ -802,7 +802,7 @@ def load_splits(dataset_name, stage, tokenizer):
     chat = False
     for split_name, split in table.items():
         for column in {"prompt", "completion", "chosen", "rejected", "messages"} & set(split.column_names):
-            kind = list if column == "messages" or isinstance(split[0][column], list) else str
+            kind = list if column == "messages" or len(split) and isinstance(split[0][column], list) else str
             chat |= kind is list
             for row, value in enumerate(split[column]):
                 if not isinstance(value, kind):
