@@ -148,11 +148,19 @@ def stage_command(stage, model_dir, rm_dir, out, run_name, extra=()):
             "--per_device_train_batch_size", "4", "--eval_every", "100", "--eval_samples", "8", *common, *extra]
 
 
-def chat_data(path):
-    """A conversational file (`messages`: a user's question, the assistant's reply of 1-40 numbers) at `path`; its
-    path. sft.py trains on the replies, the PPO scripts take the questions as prompts (README, "Data formats")."""
-    path.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"Count to {i}."}, {
-        "role": "assistant", "content": " ".join(str(n) for n in range(1, i + 2))}]}) + "\n" for i in range(40)))
+def chat_data(path, pairs=False):
+    """A conversational file at `path` (a user's question, the assistant's reply of 1-40 numbers); its path. As
+    `messages`, sft.py trains on the replies and the PPO scripts take the questions as prompts; with `pairs`, as
+    `prompt` + `chosen` (the right count) + `rejected` (one number short), for reward.py (README, "Data formats")."""
+    def reply(n):
+        return [{"role": "assistant", "content": " ".join(str(k) for k in range(1, n + 1))}]
+
+    def question(n):
+        return [{"role": "user", "content": f"Count to {n}."}]
+
+    rows = [{"prompt": question(i + 1), "chosen": reply(i + 1), "rejected": reply(i)} if pairs
+            else {"messages": [*question(i), *reply(i + 1)]} for i in range(40)]
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
     return str(path)
 
 
@@ -256,15 +264,17 @@ def launch(num_processes, args):
     return run(launcher + args, env={"ACCELERATE_USE_CPU": "true"})
 
 
-@pytest.mark.parametrize("stage", ["sft", "reward", "sft_chat"])
+@pytest.mark.parametrize("stage", ["sft", "reward", "sft_chat", "reward_chat"])
 def test_one_process_accumulating_equals_two_processes(stage, tiny_model_dir, tiny_rm_dir, tmp_path):  # noqa: F811
     """The same global batch of 8, cut three ways: 1 process x 2 microbatches of 4, 2 processes x 1 of 4, and (SFT)
     1 process x 1 microbatch of 8. SFT completions differ in length, so this also checks that the loss is the
     token mean of the whole batch, not a mean of microbatch means (reward pairs weigh equally either way).
-    `sft_chat`: SFT on conversations (`messages`, rendered by the tokenizer's chat template on every process)."""
+    `sft_chat`, `reward_chat`: on conversations (`chat_data`, rendered by the tokenizer's chat template on every
+    process)."""
     extra = ["--learning_rate", "1e-3"]
-    if stage == "sft_chat":
-        stage, extra = "sft", extra + ["--dataset_name", chat_data(tmp_path / "chat.jsonl")]
+    if stage.endswith("_chat"):
+        stage = stage.removesuffix("_chat")
+        extra += ["--dataset_name", chat_data(tmp_path / "chat.jsonl", pairs=stage == "reward")]
     layouts = [(1, 2, 4), (2, 1, 4)] + ([(1, 1, 8)] if stage == "sft" else [])
     outs = []
     for processes, accumulation, per_device in layouts:
