@@ -116,7 +116,8 @@ def test_bad_conversations_are_named_by_row(rows, error, tokenizer, tmp_path):
 
 def test_conversations_need_a_chat_template(tokenizer, tmp_path):
     """A conversational dataset with a tokenizer that has no chat template is refused, naming the file that fixes
-    it; a text dataset is read as before."""
+    it; a text dataset is read as before; a template whose assistant turn does not end with the tokenizer's EOS (the
+    token the stages append and PPO stops at) is refused, naming the row."""
     plain = sft.load_tokenizer(sft.DEFAULT_MODEL)
     plain.chat_template = None
     path = write_jsonl(tmp_path / "chat.jsonl", [{"prompt": [turn("user", "a")]}] * 5)
@@ -124,6 +125,11 @@ def test_conversations_need_a_chat_template(tokenizer, tmp_path):
         ppo.load_splits(path, "ppo", plain)
     train, _ = ppo.load_splits(write_jsonl(tmp_path / "text.jsonl", [{"prompt": "a b"}] * 5), "ppo", plain)
     assert train[0]["prompt"] == "a b"
+    other_eos = sft.load_tokenizer(sft.DEFAULT_MODEL)
+    other_eos.eos_token = "<|endoftext|>"  # the template still closes the assistant's turn with <|im_end|>
+    pairs = write_jsonl(tmp_path / "sft.jsonl", [{"messages": [turn("user", "a"), turn("assistant", "b")]}] * 5)
+    with pytest.raises(ValueError, match="row 1: the chat template does not close the assistant's turn with the EOS"):
+        sft.load_splits(pairs, "sft", other_eos)
 
 
 @pytest.mark.skipif(not os.path.exists(HH_FILE), reason="../shared/data/hh-rlhf not present")
