@@ -1487,15 +1487,14 @@ def load_splits(dataset_name, stage, tokenizer):
     if chat and not tokenizer.chat_template:
         raise ValueError(f"dataset {dataset_name!r} is conversational, but the tokenizer has no chat template: add "
                          "`chat_template` to the model's tokenizer_config.json, or give the data as text.")
-    for split_name, split in table.items():
-        if chat:
-            rows = []
-            for row, values in enumerate(split):
-                try:
-                    rows.append(render_chat(values, tokenizer))
-                except ValueError as error:
-                    raise ValueError(f"dataset {dataset_name!r} ({split_name} split) row {row + 1}: {error}") from None
-            table[split_name] = datasets.Dataset.from_list(rows)
+    for split_name, split in table.items() if chat else ():
+        rows = []
+        for row, values in enumerate(split):
+            try:
+                rows.append(render_chat(values, tokenizer))
+            except ValueError as error:
+                raise ValueError(f"dataset {dataset_name!r} ({split_name} split) row {row + 1}: {error}") from None
+        table[split_name] = datasets.Dataset.from_list(rows)
     if "test" in table:
         train, held_out = table["train"], table["test"]
     else:
