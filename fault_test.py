@@ -657,7 +657,7 @@ def test_exit_process_survives_a_gloo_thread_that_needs_the_gil_at_shutdown(tmp_
 
 
 def test_exit_stress_short_run(tmp_path):
-    """CI's short version of tools/exit_stress.py (README, "Reliability"): one launch each of a DDP, a ZeRO-3 and an
+    """CI's short version of tools/exit_stress.py (docs/reliability.md): one launch each of a DDP, a ZeRO-3 and an
     FSDP config, 2 processes each; every launch must exit 0 having saved its model, and the tool says so."""
     report = tmp_path / "stress.json"
     configs = ["reward-ddp", "ppo_multinode-zero3", "sft-fsdp"]

@@ -46,7 +46,7 @@ def test_the_judge_learns_sentiment_and_reports_held_out_accuracy(judge_file, mo
     saved = json.loads(path.read_text())
     # Held out from training: the whole reviews of the proxy's rows, the endings of the evaluation rows, another site.
     assert set(saved["accuracy"]) == {"reviews, rows 4-6", "closing words, rows 0", "rotten tomatoes snippets"}
-    assert saved["accuracy"]["reviews, rows 4-6"] > 0.8  # chance is 0.5; 15,000 reviews give ~0.90 (README)
+    assert saved["accuracy"]["reviews, rows 4-6"] > 0.8  # chance is 0.5; 15,000 reviews give ~0.90 (docs/results.md)
     assert saved["accuracy"]["closing words, rows 0"] > 0.65
     assert saved["train_texts"] == 4000  # 2,000 reviews and their 2,000 endings
     assert "held-out accuracy, reviews, rows 4-6 (7500)" in stdout

@@ -331,12 +331,12 @@ def test_node_local_checkpoint_folders_are_refused(tiny, tmp_path):
 # ---------------------------------------------------------------------------------------------------------------
 # a node that never comes: the launcher's rendezvous gives up after `--rdzv_conf timeout=N`, on either side
 # ---------------------------------------------------------------------------------------------------------------
-RDZV_TIMEOUT_S = 20  # the tests' rendezvous timeout; the commands in README use 120
+RDZV_TIMEOUT_S = 20  # the tests' rendezvous timeout; the commands in docs/scale.md use 120
 
 
 def launch_alone(machine_rank, tmp_path, limit_s):
-    """Start one "node" of two on loopback with README's command (configs/multi_node.yaml; ip, port and rank on the
-    command line; `--rdzv_conf timeout=RDZV_TIMEOUT_S`; 2 CPU processes in all) and no other node, ever. Returns
+    """Start one "node" of two on loopback with docs/scale.md's command (configs/multi_node.yaml; ip, port and rank on
+    the command line; `--rdzv_conf timeout=RDZV_TIMEOUT_S`; 2 CPU processes in all) and no other node, ever. Returns
     (exit code, seconds from start to exit, output, port). A launcher still running after `limit_s` is stopped and
     the test fails: without the timeout it would wait torch's default 900 s (node 0; measured 908 s).
 
@@ -408,13 +408,13 @@ def test_other_node_alone_stops_when_no_main_node_listens(tmp_path):
 
 
 def multi_node_commands():
-    """Every command that starts one node of several, as the docs show it (continued lines joined): in README's code
-    blocks, the comments of configs/multi_node.yaml, ppo_multinode.py's docstring, and the "Several nodes:" flags in
-    the comments of the ZeRO-3 and FSDP configs. The hostfile launcher is left out: DeepSpeed's runner has no
-    rendezvous timeout (README says so)."""
+    """Every command that starts one node of several, as the docs show it (continued lines joined): in the code
+    blocks of README and docs/scale.md, the comments of configs/multi_node.yaml, ppo_multinode.py's docstring, and the
+    "Several nodes:" flags in the comments of the ZeRO-3 and FSDP configs. The hostfile launcher is left out:
+    DeepSpeed's runner has no rendezvous timeout (docs/scale.md says so)."""
     commands = []
-    for name in ("README.md", "ppo_multinode.py", "configs/multi_node.yaml", "configs/deepspeed_zero3.yaml",
-                 "configs/fsdp.yaml"):
+    for name in ("README.md", "docs/scale.md", "ppo_multinode.py", "configs/multi_node.yaml",
+                 "configs/deepspeed_zero3.yaml", "configs/fsdp.yaml"):
         with open(os.path.join(HERE, name), encoding="utf-8") as f:
             text = re.sub(r"\\\n *", " ", f.read())
         if name.endswith(".yaml"):  # the "Several nodes:" flags go on over the next comment line
@@ -475,8 +475,8 @@ def test_dist_timeout_holds_when_the_launcher_sets_no_precision(tmp_path):
 
 def test_every_multi_node_command_carries_a_rendezvous_timeout():
     commands = multi_node_commands()
-    # README: 2 accelerate launch + 2 torchrun; multi_node.yaml: 2; the ZeRO-3 and FSDP configs: 1 (the docstring
-    # points to README)
+    # docs/scale.md: 2 accelerate launch + 2 torchrun; multi_node.yaml: 2; the ZeRO-3 and FSDP configs: 1 (the docstring
+    # points to docs/scale.md)
     assert len(commands) == 8, commands
     for name, command in commands:
         assert re.search(r"--rdzv[_-]conf timeout=120 ", command), f"{name}: {command}"

@@ -17,7 +17,7 @@ Run it (defaults read `sft.py`'s and `reward.py`'s default outputs):
     accelerate launch --multi_gpu --num_processes 2 ppo.py  # 2 GPUs; CPUs need ACCELERATE_USE_CPU=true (gloo)
     accelerate launch --config_file configs/multi_gpu.yaml ppo.py        # 8 GPUs, DDP
     accelerate launch --config_file configs/deepspeed_zero2.yaml ppo.py  # 8 GPUs, ZeRO-2 (tested on 2 CPU processes)
-    For ZeRO-3, FSDP and several nodes use ppo_multinode.py (README.md); ppo.py refuses ZeRO-3 and FSDP at start.
+    For ZeRO-3, FSDP and several nodes use ppo_multinode.py (docs/scale.md); ppo.py refuses ZeRO-3 and FSDP at start.
 
 The reward is `--reward_fn model` (the reward model) or your own `module:function` such as
 `imdb_rule_reward:positive_words`, called on the samples' text and token ids (the contract: `import_reward_fn`).
@@ -27,7 +27,7 @@ Follows: Schulman et al. 2017 "Proximal Policy Optimization Algorithms" (clipped
 Language Models from Human Preferences" and its code, lm-human-preferences (KL-shaped reward, adaptive KL, value
 clipping); Stiennon et al. 2020 "Learning to summarize from human feedback"; Huang et al. 2024 "The N+ Implementation
 Details of RLHF with PPO: A Case Study on TL;DR Summarization" and its code, vwxyzjn/summarize_from_feedback_details,
-"SFFD" (truncation after EOS, value model from the RM, metric names; where and why ours differs: README, "Departures").
+"SFFD" (truncation after EOS, value model from the RM, metric names; how ours differs: docs/implementation.md).
 """
 
 import atexit
@@ -87,7 +87,7 @@ class Args:
     otherwise the SFT model with a fresh scalar head (the value model reads the policy's tokens)."""
     dataset_name: str = "imdb"
     """`imdb` (built-in task: IMDB review openings), a hub id, or a local json/jsonl(.gz)/csv/parquet file with a
-    `prompt` column, text or a conversation (or `chosen`+`rejected` pairs: what they share; README, "Data formats")."""
+    `prompt` column, text or a conversation (or `chosen`+`rejected` pairs: what they share; docs/data.md)."""
     output_dir: str = "runs/imdb/ppo"
     """The trained policy is saved here (`save_pretrained`), the value model in `<output_dir>/value_model`."""
     overwrite_output_dir: bool = False
@@ -117,7 +117,7 @@ class Args:
     """Microbatches per minibatch and process, gradients summed before the step. With one minibatch only memory
     changes (and float rounding); with more, it also changes which rollouts share a minibatch (`ppo_epochs`)."""
     total_episodes: int = 480
-    """Rollouts in the whole run, all processes: 480 = 15 updates (README: the time it takes); SFFD's TL;DR: 1M."""
+    """Rollouts in the whole run, all processes: 480 = 15 updates; SFFD's TL;DR: 1M."""
     ppo_epochs: int = 2
     """Passes over each batch of rollouts (SFFD: noptepochs; TRL: num_ppo_epochs)."""
     learning_rate: float = 2e-5
@@ -151,14 +151,14 @@ class Args:
     max_approxkl: Optional[float] = 1.0
     """Stop the run (nothing of that update saved) when an update's mean approxkl (k2) exceeds this, nats per token:
     it catches a blow-up that stays finite (far too high a learning rate), which no NaN check sees. None: no check."""
-    # --- memory: LoRA, gradient checkpointing (README, "Memory") ---
+    # --- memory: LoRA, gradient checkpointing (docs/scale.md) ---
     lora_r: int = 0
     """LoRA rank: > 0 freezes the model and trains rank-r adapters on `lora_target_modules`, the value head whole
     (`adapt_for_training`); 0, the default: full fine-tuning (SmolLM2-135M fits anywhere). LoRA's best learning rate
     is about 10x full fine-tuning's (Schulman et al. 2025, "LoRA Without Regret")."""
     lora_alpha: float = 16.0
     """LoRA scale: an adapter adds (lora_alpha / lora_r) * B A to its layer's weight; Hu et al. 2021 set alpha to the
-    first rank they tried and kept it when changing the rank (16: README's LoRA runs use rank 16)."""
+    first rank they tried and kept it when changing the rank (16: the LoRA runs in docs/scale.md use rank 16)."""
     lora_target_modules: str = "all-linear"
     """Layers that get adapters: `all-linear` (peft: every linear layer but the output head, as QLoRA does) or
     comma-separated names such as `q_proj,v_proj` (the LoRA paper's choice)."""
@@ -524,7 +524,7 @@ def batch_metrics(accelerator, stats, kl_coef, scores, kl, logprobs, values, ret
     sync) and the statistics reduced over processes, (E, M, U, 2) CPU tensors by name. In nats, of the distributions at
     the sampling temperature: objective/kl and objective/entropy per sequence, sums of sampled per-token terms (k1,
     -logprob); ppo/policy/entropy_avg per token, exact; approxkl per token, k2. objective/scores is after the missing-
-    EOS penalty and score clip, eval/scores before. Names: SFFD's but where README's Metrics table says otherwise."""
+    EOS penalty and score clip, eval/scores before. Names: SFFD's unless docs/implementation.md says otherwise."""
     seq_kl, ones, stopped = kl.sum(1), torch.ones_like(scores), contains_stop.float()
     metrics = {}
     for name, value, weight in [("objective/kl", seq_kl, ones), ("objective/scores", scores, ones),

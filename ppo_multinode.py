@@ -1,6 +1,6 @@
 """PPO for RLHF, scaled out: many processes on many nodes, ZeRO-3 and FSDP, the reward called once per update.
 
-This is ppo.py with only what scaling out changes (`diff ppo.py ppo_multinode.py`; README lists the hunks):
+This is ppo.py with only what scaling out changes (`diff ppo.py ppo_multinode.py`; docs/scale.md lists the hunks):
   - step (3): the main process gathers every process's texts (rank order, then row order), calls `reward_fn` ONCE
     on all of them, inside `torch.random.fork_rng`, and scatters the scores back: process i gets its own rows' scores.
   - only the main process loads the reward model, on `--reward_device` (e.g. `cuda:7`, a GPU no trainer uses).
@@ -8,7 +8,7 @@ This is ppo.py with only what scaling out changes (`diff ppo.py ppo_multinode.py
     once (`--gather_for_generation`; not FSDP version 1, which steps all processes until all stop: `synced_gpus`);
     every process evaluates eval_prompts // processes prompts.
 
-Run it (README.md, "Several nodes": several nodes, FSDP, hostfiles, NCCL, and which runs are tested on CPU processes):
+Run it (docs/scale.md: several nodes, FSDP, hostfiles, NCCL, and which runs are tested on CPU processes):
     python ppo_multinode.py                                 # 1 process: the same run, metric for metric, as ppo.py
     ACCELERATE_USE_CPU=true accelerate launch --multi_gpu --num_processes 2 ppo_multinode.py   # 2 CPU processes
     accelerate launch --multi_gpu --num_processes 7 ppo_multinode.py --reward_device cuda:7  # reward model: GPU 7
@@ -34,7 +34,7 @@ Follows: Schulman et al. 2017 "Proximal Policy Optimization Algorithms" (clipped
 Language Models from Human Preferences" and its code, lm-human-preferences (KL-shaped reward, adaptive KL, value
 clipping); Stiennon et al. 2020 "Learning to summarize from human feedback"; Huang et al. 2024 "The N+ Implementation
 Details of RLHF with PPO: A Case Study on TL;DR Summarization" and its code, vwxyzjn/summarize_from_feedback_details,
-"SFFD" (truncation after EOS, value model from the RM, metric names; where and why ours differs: README, "Departures").
+"SFFD" (truncation after EOS, value model from the RM, metric names; how ours differs: docs/implementation.md).
 """
 
 import atexit
@@ -97,7 +97,7 @@ class Args:
     otherwise the SFT model with a fresh scalar head (the value model reads the policy's tokens)."""
     dataset_name: str = "imdb"
     """`imdb` (built-in task: IMDB review openings), a hub id, or a local json/jsonl(.gz)/csv/parquet file with a
-    `prompt` column, text or a conversation (or `chosen`+`rejected` pairs: what they share; README, "Data formats")."""
+    `prompt` column, text or a conversation (or `chosen`+`rejected` pairs: what they share; docs/data.md)."""
     output_dir: str = "runs/imdb/ppo"
     """The trained policy is saved here (`save_pretrained`), the value model in `<output_dir>/value_model`."""
     overwrite_output_dir: bool = False
@@ -127,7 +127,7 @@ class Args:
     """Microbatches per minibatch and process, gradients summed before the step. With one minibatch only memory
     changes (and float rounding); with more, it also changes which rollouts share a minibatch (`ppo_epochs`)."""
     total_episodes: int = 480
-    """Rollouts in the whole run, all processes: 480 = 15 updates (README: the time it takes); SFFD's TL;DR: 1M."""
+    """Rollouts in the whole run, all processes: 480 = 15 updates; SFFD's TL;DR: 1M."""
     ppo_epochs: int = 2
     """Passes over each batch of rollouts (SFFD: noptepochs; TRL: num_ppo_epochs)."""
     learning_rate: float = 2e-5
@@ -161,14 +161,14 @@ class Args:
     max_approxkl: Optional[float] = 1.0
     """Stop the run (nothing of that update saved) when an update's mean approxkl (k2) exceeds this, nats per token:
     it catches a blow-up that stays finite (far too high a learning rate), which no NaN check sees. None: no check."""
-    # --- memory: LoRA, gradient checkpointing (README, "Memory") ---
+    # --- memory: LoRA, gradient checkpointing (docs/scale.md) ---
     lora_r: int = 0
     """LoRA rank: > 0 freezes the model and trains rank-r adapters on `lora_target_modules`, the value head whole
     (`adapt_for_training`); 0, the default: full fine-tuning (SmolLM2-135M fits anywhere). LoRA's best learning rate
     is about 10x full fine-tuning's (Schulman et al. 2025, "LoRA Without Regret")."""
     lora_alpha: float = 16.0
     """LoRA scale: an adapter adds (lora_alpha / lora_r) * B A to its layer's weight; Hu et al. 2021 set alpha to the
-    first rank they tried and kept it when changing the rank (16: README's LoRA runs use rank 16)."""
+    first rank they tried and kept it when changing the rank (16: the LoRA runs in docs/scale.md use rank 16)."""
     lora_target_modules: str = "all-linear"
     """Layers that get adapters: `all-linear` (peft: every linear layer but the output head, as QLoRA does) or
     comma-separated names such as `q_proj,v_proj` (the LoRA paper's choice)."""
@@ -586,7 +586,7 @@ def batch_metrics(accelerator, stats, kl_coef, scores, kl, logprobs, values, ret
     sync) and the statistics reduced over processes, (E, M, U, 2) CPU tensors by name. In nats, of the distributions at
     the sampling temperature: objective/kl and objective/entropy per sequence, sums of sampled per-token terms (k1,
     -logprob); ppo/policy/entropy_avg per token, exact; approxkl per token, k2. objective/scores is after the missing-
-    EOS penalty and score clip, eval/scores before. Names: SFFD's but where README's Metrics table says otherwise."""
+    EOS penalty and score clip, eval/scores before. Names: SFFD's unless docs/implementation.md says otherwise."""
     seq_kl, ones, stopped = kl.sum(1), torch.ones_like(scores), contains_stop.float()
     metrics = {}
     for name, value, weight in [("objective/kl", seq_kl, ones), ("objective/scores", scores, ones),

@@ -151,7 +151,7 @@ def stage_command(stage, model_dir, rm_dir, out, run_name, extra=()):
 def chat_data(path, pairs=False):
     """A conversational file at `path` (a user's question, the assistant's reply of 1-40 numbers); its path. As
     `messages`, sft.py trains on the replies and the PPO scripts take the questions as prompts; with `pairs`, as
-    `prompt` + `chosen` (the right count) + `rejected` (one number short), for reward.py (README, "Data formats")."""
+    `prompt` + `chosen` (the right count) + `rejected` (one number short), for reward.py (docs/data.md)."""
     def reply(n):
         return [{"role": "assistant", "content": " ".join(str(k) for k in range(1, n + 1))}]
 

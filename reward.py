@@ -17,7 +17,7 @@ those of a negative one (reviews end with their verdict), each pair seen after t
 reward model learns to score positive sentiment, not fit to the prompt.
 
 Run it (after `python sft.py`: its output folder is this script's default model):
-    python reward.py                                # CPU, default offline config (~2.5 minutes on 2 cores)
+    python reward.py                                # CPU, default offline config (SmolLM2-135M, IMDB)
     accelerate launch reward.py                     # 1 GPU, or whatever `accelerate config` says
     accelerate launch --config_file configs/multi_gpu.yaml reward.py          # 8 GPUs, DDP
     accelerate launch --config_file configs/deepspeed_zero2.yaml reward.py    # 8 GPUs, ZeRO-2
@@ -26,14 +26,9 @@ Run it (after `python sft.py`: its output folder is this script's default model)
     # DeepSpeed without GPUs (its CPU accelerator, gloo; no ACCELERATE_USE_CPU, which would mean DDP): tested
     # equal to DDP on 2 processes, ZeRO-2 and ZeRO-3 (sharded_test.py); FSDP too, through a test-only driver
     accelerate launch --config_file configs/deepspeed_zero2.yaml --num_processes 2 reward.py
-Anthropic HH, harmless-base (1,849 training pairs, 463 held out). Its dialogues run to hundreds of tokens: on CPU
-keep the last 64 prompt tokens and cut the run to 20 steps (~5 minutes on 2 cores, held-out accuracy ~0.6, measured
-in float32 from base SmolLM2, not from an HH SFT model: README); on a GPU raise them (e.g. --max_prompt_length 192
---max_length 256 --max_steps 230, one epoch) and drop the eval flags:
-    python sft.py --dataset_name ../shared/data/hh-rlhf/harmless-base-test.jsonl.gz --output_dir runs/hh/sft
+Anthropic HH, harmless-base (read as conversations in the model's chat template; README has the three commands):
     python reward.py --model_name_or_path runs/hh/sft --output_dir runs/hh/reward \
-        --dataset_name ../shared/data/hh-rlhf/harmless-base-test.jsonl.gz \
-        --max_prompt_length 64 --max_length 128 --max_steps 20 --eval_every 20 --eval_samples 100
+        --dataset_name ../shared/data/hh-rlhf/harmless-base-test.jsonl.gz --max_prompt_length 128 --max_length 192
 
 Follows: Stiennon et al. 2020 "Learning to summarize from human feedback" (pairwise loss on the final token's score,
 head initialised from N(0, 1/(d_model+1)), scores shifted before RL so that the dataset's reference summaries score 0
@@ -93,7 +88,7 @@ class Args:
     dataset_name: str = "imdb"
     """`imdb` (built-in IMDB preference pairs), a hub id, or a local json/jsonl(.gz)/csv/parquet file with
     `prompt`+`chosen`+`rejected` columns, or only `chosen`+`rejected` whole dialogues (what they share is the prompt),
-    text or conversations (README, "Data formats")."""
+    text or conversations (docs/data.md)."""
     output_dir: str = "runs/imdb/reward"
     """Where the trained reward model and tokenizer are saved (`save_pretrained`); `ppo.py` reads it."""
     overwrite_output_dir: bool = False
@@ -114,9 +109,9 @@ class Args:
     gradient_accumulation_steps: int = 1
     """Forward passes accumulated per optimizer step; global batch = this x batch size x processes (in pairs)."""
     max_steps: int = 60
-    """Optimizer steps. 60 x 8 = 480 pairs (a fifteenth of an epoch of IMDB's 7,500) reach ~0.86 held-out accuracy
-    in ~2.5 minutes on 2 CPU cores (README; 80 steps did no better in an earlier float32 run). InstructGPT trains its
-    RM for one epoch at most: more overfits."""
+    """Optimizer steps. 60 x 8 = 480 pairs (a fifteenth of an epoch of IMDB's 7,500) reach the held-out accuracy of
+    README's table (80 steps did no better in an earlier float32 run). InstructGPT trains its RM for one epoch at most:
+    more overfits."""
     warmup_ratio: float = 0.1
     """Fraction of `max_steps` with linear warm-up; the rest decays linearly to 0."""
     weight_decay: float = 0.0
@@ -126,15 +121,15 @@ class Args:
     max_loss_ratio: Optional[float] = 2.0
     """Stop with one error line, saving nothing of that step, once the training loss smoothed over ~10 steps is
     above this many times its lowest smoothed value and above its first step's (`watch_loss`): the run diverged.
-    In the default run it rose to 1.4x its lowest, 1.3% above its first (README). None: never stop."""
-    # --- memory: LoRA, gradient checkpointing (README, "Memory") ---
+    In the default run it rose to 1.4x its lowest, 1.3% above its first (docs/results.md). None: never stop."""
+    # --- memory: LoRA, gradient checkpointing (docs/scale.md) ---
     lora_r: int = 0
     """LoRA rank: > 0 freezes the model and trains rank-r adapters on `lora_target_modules`, the score head whole
     (`adapt_for_training`); 0, the default: full fine-tuning (SmolLM2-135M fits anywhere). LoRA's best learning rate
     is about 10x full fine-tuning's (Schulman et al. 2025, "LoRA Without Regret")."""
     lora_alpha: float = 16.0
     """LoRA scale: an adapter adds (lora_alpha / lora_r) * B A to its layer's weight; Hu et al. 2021 set alpha to the
-    first rank they tried and kept it when changing the rank (16: README's LoRA runs use rank 16)."""
+    first rank they tried and kept it when changing the rank (16: the LoRA runs in docs/scale.md use rank 16)."""
     lora_target_modules: str = "all-linear"
     """Layers that get adapters: `all-linear` (peft: every linear layer but the output head, as QLoRA does) or
     comma-separated names such as `q_proj,v_proj` (the LoRA paper's choice)."""
@@ -146,8 +141,7 @@ class Args:
     """Optimizer steps between held-out evaluations (also run at the start and end)."""
     eval_samples: int = 256
     """Held-out pairs used for accuracy, loss and the reward bias (a fixed prefix of the held-out split). 256 give
-    the accuracy to about +-0.03 (IMDB holds each pair twice, after either review's prompt) in ~35 s on 2 cores
-    (float32, an earlier session)."""
+    the accuracy to about +-0.03 (IMDB holds each pair twice, after either review's prompt)."""
     num_table_examples: int = 4
     """Held-out pairs written to tensorboard, with their scores, at each evaluation."""
     seed: int = 1
@@ -164,9 +158,9 @@ class Args:
     mixed_precision: str = "auto"
     """`bf16`, `fp16` or `no` (float32) for the model's matrix products (accelerate's autocast) and a frozen LoRA
     base's linear layers; trained weights, optimizer state, scores and the loss stay float32 (under DeepSpeed and
-    FSDP bf16 is the engine's own: README). `auto`: `accelerate launch`'s setting (its --mixed_precision or config
-    file; `no` with neither), else (plain `python`) bf16 where the hardware multiplies in bf16 natively (CUDA,
-    AVX512-BF16/AMX CPUs), else `no`; logged."""
+    FSDP bf16 is the engine's own: docs/implementation.md). `auto`: `accelerate launch`'s setting (its
+    --mixed_precision or config file; `no` with neither), else (plain `python`) bf16 where the hardware multiplies in
+    bf16 natively (CUDA, AVX512-BF16/AMX CPUs), else `no`; logged."""
     dist_timeout_s: int = 900
     """Seconds a process waits in a collective before giving up, so one failed process cannot hang the others."""
     log_dir: str = "runs/tensorboard"
@@ -496,7 +490,7 @@ def main(args: Args):
     # --- 4. normalise, save -------------------------------------------------------------------------------------------
     # The final evaluation also sets the reward bias: held-out SFT-distribution text (chosen and rejected replies,
     # equally many) should score 0 on average, so PPO's scores start near 0 whatever offset training left in them.
-    # Stiennon et al. 2020 and the N+ code centre on the dataset's reference replies instead (README, "Departures").
+    # Stiennon et al. 2020 and the N+ code centre on the dataset's reference replies instead (docs/implementation.md).
     metrics = log_eval(step)
     reward_bias = -(metrics["eval/scores_chosen_mean"] + metrics["eval/scores_rejected_mean"]) / 2
     accelerator.log({"eval/reward_bias": reward_bias}, step=step)

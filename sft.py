@@ -79,8 +79,7 @@ class Args:
     hub cannot be reached (the log says which copy was used)."""
     dataset_name: str = "imdb"
     """`imdb` (built-in IMDB review-ending task), a hub id, or a local json/jsonl(.gz)/csv/parquet file with
-    `prompt`+`completion` columns, text or conversations, or `messages`, or `chosen`+`rejected` (README, "Data
-    formats")."""
+    `prompt`+`completion` columns, text or conversations, or `messages`, or `chosen`+`rejected` (docs/data.md)."""
     output_dir: str = "runs/imdb/sft"
     """Where the trained model and tokenizer are saved (`save_pretrained`); `reward.py` and `ppo.py` read it."""
     overwrite_output_dir: bool = False
@@ -97,7 +96,7 @@ class Args:
     gradient_accumulation_steps: int = 1
     """Forward passes accumulated per optimizer step; global batch = this x batch size x processes."""
     max_steps: int = 80
-    """Optimizer steps. 80 x 8 = 640 demonstrations learn the review style in ~2.5 minutes on 2 CPU cores (README)."""
+    """Optimizer steps. 80 x 8 = 640 demonstrations learn the review style (docs/results.md)."""
     warmup_ratio: float = 0.1
     """Fraction of `max_steps` with linear warm-up; the rest decays linearly to 0."""
     weight_decay: float = 0.0
@@ -107,15 +106,15 @@ class Args:
     max_loss_ratio: Optional[float] = 2.0
     """Stop with one error line, saving nothing of that step, once the training loss smoothed over ~10 steps is
     above this many times its lowest smoothed value and above its first step's (`watch_loss`): the run diverged.
-    The default run's smoothed loss stays below its first value, within 1.02x its lowest (README). None: never."""
-    # --- memory: LoRA, gradient checkpointing (README, "Memory") ---
+    The default run's smoothed loss stays below its first value, within 1.02x its lowest. None: never."""
+    # --- memory: LoRA, gradient checkpointing (docs/scale.md) ---
     lora_r: int = 0
     """LoRA rank: > 0 freezes the model and trains rank-r adapters on `lora_target_modules`
     (`adapt_for_training`); 0, the default: full fine-tuning (SmolLM2-135M fits anywhere). LoRA's best learning rate
     is about 10x full fine-tuning's (Schulman et al. 2025, "LoRA Without Regret")."""
     lora_alpha: float = 16.0
     """LoRA scale: an adapter adds (lora_alpha / lora_r) * B A to its layer's weight; Hu et al. 2021 set alpha to the
-    first rank they tried and kept it when changing the rank (16: README's LoRA runs use rank 16)."""
+    first rank they tried and kept it when changing the rank (16: the LoRA runs in docs/scale.md use rank 16)."""
     lora_target_modules: str = "all-linear"
     """Layers that get adapters: `all-linear` (peft: every linear layer but the output head, as QLoRA does) or
     comma-separated names such as `q_proj,v_proj` (the LoRA paper's choice)."""
@@ -143,9 +142,9 @@ class Args:
     mixed_precision: str = "auto"
     """`bf16`, `fp16` or `no` (float32) for the model's matrix products (accelerate's autocast) and a frozen LoRA
     base's linear layers; trained weights, optimizer state and the loss stay float32 (under DeepSpeed and FSDP bf16
-    is the engine's own: README). `auto`: `accelerate launch`'s setting (its --mixed_precision or config file; `no`
-    with neither), else (plain `python`) bf16 where the hardware multiplies in bf16 natively (CUDA, AVX512-BF16/AMX
-    CPUs), else `no`; logged."""
+    is the engine's own: docs/implementation.md). `auto`: `accelerate launch`'s setting (its --mixed_precision or
+    config file; `no` with neither), else (plain `python`) bf16 where the hardware multiplies in bf16 natively (CUDA,
+    AVX512-BF16/AMX CPUs), else `no`; logged."""
     dist_timeout_s: int = 900
     """Seconds a process waits in a collective before giving up, so one failed process cannot hang the others."""
     log_dir: str = "runs/tensorboard"

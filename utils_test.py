@@ -607,7 +607,7 @@ def function_sources(path):
             if isinstance(node, (ast.FunctionDef, ast.ClassDef)) and node.name not in ("Args", "main")}
 
 
-# The functions ppo_multinode.py changes to scale out (README, "Several nodes"): each differs from its
+# The functions ppo_multinode.py changes to scale out (docs/scale.md): each differs from its
 # ppo.py namesake on purpose. Every other function of the same name must be the same, word for word.
 SCALE_OUT = {"check_sharding", "load_prompts", "load_models", "evaluate", "rollout", "compute_scores"}
 

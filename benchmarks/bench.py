@@ -19,7 +19,7 @@ Prints markdown tables and writes a small JSON to `benchmarks/results/`:
                overhead = side / floor - 1.
   --scaling    seconds per update for response length 24/48/96 (16 rollouts) and 8/16/32 rollouts (response 24).
 
-Run (on a quiet machine; README.md has timings):
+Run (on a quiet machine; docs/performance.md has timings):
     python benchmarks/bench.py --model tiny
     python benchmarks/bench.py --model smollm2
     python benchmarks/bench.py --scaling

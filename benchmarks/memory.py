@@ -2,7 +2,7 @@
 backbones and gradient checkpointing save.
 
     python benchmarks/memory.py plan --model llama-2-7b --lora_r 16 --gradient_checkpointing   # one prediction
-    python benchmarks/memory.py table        # README's table: 1B, 7B, 13B models on 24, 40, 80 GB GPUs
+    python benchmarks/memory.py table        # docs/scale.md's table: 1B, 7B, 13B models on 24, 40, 80 GB GPUs
     python benchmarks/memory.py predictions  # benchmarks/results/memory_predictions.json, written before measuring
     python benchmarks/memory.py measure      # ppo.py on SmolLM2 in 5 modes on this CPU against the plan (~15 min)
 
@@ -113,7 +113,7 @@ import tempfile
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GB = 1024**3
 
-# Public configs (config.json on the hub) of the models in README's table, and the defaults' SmolLM2.
+# Public configs (config.json on the hub) of the models in docs/scale.md's table, and the defaults' SmolLM2.
 MODELS = {
     "smollm2-135m": dict(hidden_size=576, num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
                          intermediate_size=1536, vocab_size=49152, tie_word_embeddings=True),
@@ -296,14 +296,14 @@ def measure(args):
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# table: what fits where (README)
+# table: what fits where (docs/scale.md)
 # ---------------------------------------------------------------------------------------------------------------
 TABLE_SETTING = Setting(query_length=512, response_length=128, local_batch_size=16, micro_batch_size=2,
                         local_rollout_forward_batch_size=4, precision="bf16")
 
 
 def table(args):
-    """README's table. The ZeRO-3 columns are ppo_multinode.py under configs/deepspeed_zero3.yaml on 8 processes:
+    """docs/scale.md's table. The ZeRO-3 columns are ppo_multinode.py under configs/deepspeed_zero3.yaml on 8 processes:
     float32 (the config's mixed_precision 'no'), policy, value model and reference partitioned, the reward model whole
     on the main process, whose peak is shown."""
     layouts = [("full", 1, 0, 0, False), ("full + ckpt", 1, 0, 0, True), ("LoRA r16 + shared + ckpt", 1, 0, 16, True),
@@ -427,7 +427,7 @@ if __name__ == "__main__":
     m.add_argument("--reward_model_path", default="runs/imdb/reward")
     m.add_argument("--mixed_precision", default="bf16", choices=["bf16", "no"])
     m.add_argument("--replan", action="store_true", help="keep the last run's measurements, redo the plan")
-    sub.add_parser("table", help="README's table")
+    sub.add_parser("table", help="docs/scale.md's table")
     r = sub.add_parser("predictions", help="write benchmarks/results/memory_predictions.json")
     r.add_argument("--runtime_gb", type=float, default=last_runtime_gb(),
                    help="the runtime term (default: the last `measure`'s, benchmarks/results/memory.json)")

@@ -1,12 +1,12 @@
 """The over-optimisation curve: the score PPO maximises (the reward model's, the proxy) and an independent judge's
-(`imdb_gold_reward.py`) against the KL the policy spent to get them, at several KL penalties (README, "What PPO
-bought"). Gao et al. 2022 ("Scaling Laws for Reward Model Overoptimization") and Stiennon et al. 2020 (figure 5) show
-the shape to look for: the proxy keeps rising with KL, the gold score rises, peaks and falls. On the IMDB task, where
-the reward model and the judge both read sentiment, the judge had not peaked at 8 nats (README).
+(`imdb_gold_reward.py`) against the KL the policy spent to get them, at several KL penalties (docs/results.md). Gao
+et al. 2022 ("Scaling Laws for Reward Model Overoptimization") and Stiennon et al. 2020 (figure 5) show the shape to
+look for: the proxy keeps rising with KL, the gold score rises, peaks and falls. On the IMDB task, where the reward
+model and the judge both read sentiment, the judge had not peaked at 8 nats (docs/results.md).
 
     python imdb_gold_reward.py                 # the judge, once
     python docs/overoptimization.py            # kl_coef 0.05 0.15 0.5 1.5 x seeds 1 2, each the default PPO stage:
-                                               # 98 min on 2 cores of an AMD EPYC without AMX (README)
+                                               # 98 min on 2 cores of an AMD EPYC without AMX (docs/results.md)
     python docs/overoptimization.py --kl_coefs 0.02 0.2 --seeds 1 -- --total_episodes 960   # after --: ppo.py's flags
 
 Each run is `python ppo.py --kl_coef K --seed S --eval_reward_fn <judge> --eval_every <eval_every>` with its own

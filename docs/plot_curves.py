@@ -55,7 +55,7 @@ def main():
         ax.set_xlabel(xlabel)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
-    axes[1].axhline(0.85, color="gray", linestyle=":", linewidth=1)  # README's accuracy target
+    axes[1].axhline(0.85, color="gray", linestyle=":", linewidth=1)  # the accuracy target of docs/results.md
     if args.title:
         fig.suptitle(args.title, fontsize=10)
     fig.tight_layout()

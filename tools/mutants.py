@@ -1,7 +1,7 @@
 """Mutation testing: break the scripts on purpose, one small realistic bug at a time, and check that the test meant
 to guard that guarantee fails.
 
-    python tools/mutants.py                      # every mutant, then the markdown table (README, "Mutation testing")
+    python tools/mutants.py                      # every mutant, then the markdown table (docs/testing.md)
     python tools/mutants.py --fast               # the few whose tests take seconds (CI runs these: mutation_test.py)
     python tools/mutants.py --only kl-sign-flipped score-on-padding-slot
     python tools/mutants.py --list               # the mutants and their tests; checks that every one still applies
@@ -43,7 +43,7 @@ HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 class Mutant:
     name: str
     file: str
-    bug: str  # the guarantee it breaks, in a few words (README's table shows it)
+    bug: str  # the guarantee it breaks, in a few words (docs/testing.md's table shows it)
     edits: list  # [(old, new), ...]: each `old` must occur exactly once in `file`
     test: str  # the pytest node id that must fail
     fast: bool = False  # its test takes seconds: CI runs it (mutation_test.py)
@@ -220,7 +220,7 @@ MUTANTS = [
            [("        return FullyShardedDataParallel.summon_full_params(model, recurse=False, writeback=False)",
              "        return contextlib.nullcontext()")],
            M + "test_fsdp_generation_in_step_on_cpu"),
-    # --- the held-out judge and diversity (README, "What PPO bought") -------------------------------------------
+    # --- the held-out judge and diversity (docs/results.md) ----------------------------------------------------------
     Mutant("judge-is-the-reward", "ppo_multinode.py", "--eval_reward_fn ignored: eval/gold_scores is the reward again",
            [('reward_fns[: 1 + bool(args.eval_reward_fn)]', '(reward_fns[0],) * (1 + bool(args.eval_reward_fn))')],
            M + "test_plugged_in_reward_function"),
