@@ -161,6 +161,27 @@ def test_no_test_only_flags_in_the_scripts():
         assert "debug_dump" not in source and "parameter_checksum" not in source, script
 
 
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_help_gives_each_flag_its_docstring_as_one_line(script):
+    """`python X.py --help`, wide enough for any help text: every flag's docstring, its lines joined, on one line of
+    the output (tyro alone breaks it where the source does: `parse_args`); the runtime-only sizes are not flags."""
+    import importlib
+    import subprocess
+    import sys
+
+    import docstring_parser
+
+    args_class = importlib.import_module(script[:-3]).Args
+    docs = [" ".join(p.description.split()) for p in docstring_parser.parse_from_object(args_class).params]
+    out = subprocess.run([sys.executable, script, "--help"], cwd=HERE, capture_output=True, text=True, check=True,
+                         env={**os.environ, "COLUMNS": "2000"}).stdout
+    lines = [line.strip("│ ") for line in out.splitlines()]
+    assert len(docs) > 20
+    for doc in docs:
+        assert any(doc in line for line in lines), f"{script}: help broken across lines: {doc[:60]!r}"
+    assert "--micro-batch-size" not in out and "--num-updates" not in out
+
+
 if __name__ == "__main__":
     for name, value in numbers().items():
         print(f"{name:60s} {value}")

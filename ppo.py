@@ -199,10 +199,10 @@ class Args:
     run_name: str = ""
     """Run folder under `log_dir`; empty means `ppo_<seed>_<unix time>`."""
     # --- filled in at runtime (see `derive_sizes`) ---
-    num_updates: int = 0
-    local_batch_size: int = 0
-    local_mini_batch_size: int = 0
-    micro_batch_size: int = 0
+    num_updates: tyro.conf.Suppress[int] = 0
+    local_batch_size: tyro.conf.Suppress[int] = 0
+    local_mini_batch_size: tyro.conf.Suppress[int] = 0
+    micro_batch_size: tyro.conf.Suppress[int] = 0
 
 
 class PolicyAndValue(torch.nn.Module):
@@ -2003,5 +2003,18 @@ def exit_process(status):
             stream.flush()
     os._exit(status)
 
+def parse_args(args_class):
+    """`tyro.cli(args_class)`, each flag's help its field's docstring as one paragraph (tyro 1.0 keeps the line
+    breaks before a docstring's indented lines, brentyi/tyro#429: sentences broke mid-line in `--help`)."""
+    import docstring_parser  # tyro's own dependency: the parser tyro reads the docstrings with
+
+    for param in docstring_parser.parse_from_object(args_class).params:
+        field = args_class.__dataclass_fields__.get(param.arg_name)
+        if field is not None and param.description:  # tyro takes a field's metadata["help"] before its docstring
+            field.metadata = {**field.metadata, "help": " ".join(param.description.split())}
+    return tyro.cli(args_class)
+
+
+
 if __name__ == "__main__":
-    run_as_command(main, tyro.cli(Args))
+    run_as_command(main, parse_args(Args))

@@ -1413,5 +1413,18 @@ def exit_process(status):
             stream.flush()
     os._exit(status)
 
+def parse_args(args_class):
+    """`tyro.cli(args_class)`, each flag's help its field's docstring as one paragraph (tyro 1.0 keeps the line
+    breaks before a docstring's indented lines, brentyi/tyro#429: sentences broke mid-line in `--help`)."""
+    import docstring_parser  # tyro's own dependency: the parser tyro reads the docstrings with
+
+    for param in docstring_parser.parse_from_object(args_class).params:
+        field = args_class.__dataclass_fields__.get(param.arg_name)
+        if field is not None and param.description:  # tyro takes a field's metadata["help"] before its docstring
+            field.metadata = {**field.metadata, "help": " ".join(param.description.split())}
+    return tyro.cli(args_class)
+
+
+
 if __name__ == "__main__":
-    run_as_command(main, tyro.cli(Args))
+    run_as_command(main, parse_args(Args))

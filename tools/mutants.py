@@ -337,6 +337,10 @@ MUTANTS = [
            [("get_state_dict(model) if sharded or accelerator.is_main_process else None",
              "get_state_dict(model)")],
            S + "test_zero2_saves_from_the_main_process_alone"),
+    Mutant("help-ragged", "reward.py", "`--help` breaks each flag's help where the docstring's source lines break",
+           [('            field.metadata = {**field.metadata, "help": " ".join(param.description.split())}',
+             "            pass")],
+           "layout_test.py::test_help_gives_each_flag_its_docstring_as_one_line[reward.py]", fast=True),
 ]
 
 
