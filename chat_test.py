@@ -184,3 +184,21 @@ def test_chat_pipeline_runs_and_ppo_stops_at_the_end_of_turn(tiny_model_dir, tmp
     assert tokenizer.eos_token_id == tokenizer.convert_tokens_to_ids("<|im_end|>")
     responses = torch.tensor([[5, 6, tokenizer.eos_token_id, 7, 8]])
     assert ppo.truncate_after_stop(responses, tokenizer.eos_token_id).tolist() == [[1, 1, 1, 0, 0]]
+
+
+def test_ppo_prompts_on_two_processes_are_one_process_prompts(tokenizer, tmp_path):
+    """PPO on conversational prompts, 2 processes against 1: every process renders the same training queries, the
+    two processes' shares of an update's batch and of the held-out prompts together are the single process's."""
+    data = write_jsonl(tmp_path / "ppo.jsonl", [{"prompt": [turn("user", f"What is {i} plus {i}?")]}
+                                                for i in range(40)])
+    args = ppo.Args(dataset_name=data, query_length=64, eval_prompts=6, batch_size=8)
+    (train, mask), (held_out, _) = ppo.load_prompts(args, tokenizer, 0, 1)
+    shares = [ppo.load_prompts(args, tokenizer, rank, 2) for rank in (0, 1)]
+    for (train_share, mask_share), _ in shares:
+        assert torch.equal(train_share, train) and torch.equal(mask_share, mask)
+    assert torch.equal(torch.stack([shares[0][1][0], shares[1][1][0]], 1).flatten(0, 1), held_out)
+    opened = tokenizer("<|im_start|>assistant\n", add_special_tokens=False)["input_ids"]
+    assert len(held_out) == 6 and held_out[0, -len(opened):].tolist() == opened
+    for update in (1, 4, 5):
+        one = ppo.prompt_indices(update, len(train), 8, 1, 0, 1)
+        assert torch.equal(torch.cat([ppo.prompt_indices(update, len(train), 8, 1, rank, 2) for rank in (0, 1)]), one)
