@@ -102,6 +102,8 @@ def numbers():
             out[f"{script}: main loop starts at (fraction of the file)"] = round(loop / len(source.splitlines()), 3)
             out[f"{script}: step (7), lines"] = step_lines(source, "(7)")
     out["diff ppo.py ppo_multinode.py: changed lines"] = changed_lines(read("ppo.py"), read("ppo_multinode.py"))
+    out["shared plumbing block, lines (each script)"] = len(split_at_banner(read("ppo.py"))[2].splitlines())
+    out["ppo.py, lines"] = len(read("ppo.py").splitlines())
     return out
 
 

