@@ -1,7 +1,7 @@
 """The chat pipeline measured: SFT, reward model and PPO on Anthropic HH harmless-base conversations, in
 SmolLM2-135M-Instruct's own chat template, judged by a second reward model PPO never trained on (docs/results.md).
 
-    python docs/hh_chat.py                        # every stage, then the comparison; ~90 min on 2 CPU cores
+    python docs/hh_chat.py                        # every stage, then the comparison (docs/results.md: its time)
     python docs/hh_chat.py --ppo_episodes 64      # a shorter PPO stage (flags: --help)
 
 Why a second judge: PPO maximises its reward model's score (the proxy), so a rising proxy score says only that the
@@ -41,9 +41,11 @@ def parse_args(argv):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--data", default=HH, help="Anthropic HH jsonl(.gz) of chosen/rejected dialogues")
     parser.add_argument("--out_dir", default="runs/hh_chat", help="data halves, models, logs and results.json")
-    parser.add_argument("--model", default="HuggingFaceTB/SmolLM2-135M-Instruct", help="the chat model every stage starts from")
+    parser.add_argument("--model", default="HuggingFaceTB/SmolLM2-135M-Instruct",
+                        help="the chat model every stage starts from")
     parser.add_argument("--prompt_length", type=int, default=128, help="prompt tokens kept (the end) in every stage")
-    parser.add_argument("--response_length", type=int, default=48, help="reply tokens sampled by PPO and the comparison")
+    parser.add_argument("--response_length", type=int, default=48,
+                        help="reply tokens sampled by PPO and the comparison")
     parser.add_argument("--sft_steps", type=int, default=60, help="sft.py --max_steps (8 conversations each)")
     parser.add_argument("--reward_steps", type=int, default=115,
                         help="reward.py --max_steps for both, 8 pairs each (115: one epoch of ~920 training pairs)")
@@ -139,6 +141,9 @@ def compare(args, paths, out):
     result = {"prompts": len(prompts), "win_rate": interval(wins),
               "win_rate_ppo_not_longer": interval(not_longer) if len(not_longer) > 1 else None,
               "n_ppo_not_longer": len(not_longer), "kl": interval([p["kl"] for p in pol])}
+    both_stopped = [w for w, s, p in zip(wins, sft, pol) if s["stopped"] and p["stopped"]]  # no cut reply judged
+    result["win_rate_both_stopped"] = interval(both_stopped) if len(both_stopped) > 1 else None
+    result["n_both_stopped"], result["rows"] = len(both_stopped), [{"sft": s, "ppo": p} for s, p in zip(sft, pol)]
     for name, rs in rows.items():
         for key in ("gold", "proxy", "length"):
             result[f"{name}_{key}"] = interval([r[key] for r in rs])
@@ -185,6 +190,8 @@ def main(argv):
     print(f"win rate of PPO over SFT under the judge: {show('win_rate')}; where PPO's reply is not longer "
           f"({result['n_ppo_not_longer']} prompts): "
           + (show("win_rate_ppo_not_longer") if result["win_rate_ppo_not_longer"] else "-"))
+    print(f"where both replies stopped ({result['n_both_stopped']} prompts): "
+          + (show("win_rate_both_stopped") if result["win_rate_both_stopped"] else "-"))
     print(f"KL(PPO || SFT) per reply: {show('kl')} nats")
     print("| | judge | proxy | length (tokens) | stopped |\n|---|---|---|---|---|")
     for name in ("sft", "ppo"):
