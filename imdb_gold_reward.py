@@ -209,14 +209,9 @@ def clean_review(text):
 
 
 def split_review(text, prompt_words=10, min_words=8, max_words=24):
-    """Cut a review into `(prompt, completion)` around its ending: the completion is the review's closing text,
-    the prompt the `prompt_words` words just before it.
-
-    Reviews end with their verdict ("... a waste of two hours." / "... 9/10, see it."), so the completion carries
-    the review's sentiment and ends where the review ends (the policy learns to stop there). It is the last
-    `max_words` words, moved forward to start at a sentence if one starts there and leaves at least `min_words`.
-    The completion starts with a space, as it would in running text.
-    """
+    """`(prompt, completion)`: the completion is the review's closing words, where its verdict usually is (the last
+    `max_words`, moved forward to a sentence start leaving at least `min_words`; it starts with a space, as in running
+    text), the prompt the `prompt_words` words before it."""
     words = text.split()
     start = max(len(words) - max_words, min(prompt_words, len(words) - 1))
     for i in range(start, len(words) - min_words + 1):
