@@ -1332,6 +1332,5 @@ def parse_args(args_class):
     return tyro.cli(args_class)
 
 
-
 if __name__ == "__main__":
     run_as_command(main, parse_args(Args))
