@@ -1107,8 +1107,8 @@ def load_tokenizer(name_or_path):
 def load_model(name_or_path, model_class, **kwargs):
     """`model_class.from_pretrained(name_or_path)` in float32, dropout off before it is built (`disable_dropout`:
     PPO's ratio must be exactly 1 before the first update); `kwargs` override the config (`num_labels=1`). Under
-    ZeRO-3 it is built partitioned. A GGUF file is rebuilt as an ordinary, saveable model of `model_class` (a
-    classifier's new `score` head is the caller's to initialise)."""
+    ZeRO-3 it is built partitioned, but a GGUF file, rebuilt as an ordinary saveable model of `model_class`, is built
+    whole (`prepare` partitions it; a classifier's new `score` head is the caller's to initialise)."""
     source, gguf_file = resolve_model_source(name_or_path)
     if gguf_file is None:
         config = AutoConfig.from_pretrained(source, **kwargs)
