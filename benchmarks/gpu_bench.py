@@ -13,6 +13,8 @@ Sizes (`--sizes`, comma-separated; Llama architecture):
            vocabulary 49,152
   1b       Llama-3.2-1B's config: hidden 2048, 16 layers, 32 heads / 8 KV heads, intermediate 8192, tied embeddings,
            vocabulary 128,256 (1.24B parameters)
+  7b       Llama-2-7B's config: hidden 4096, 32 layers, 32 heads, intermediate 11008, vocabulary 32,000 (6.74B
+           parameters); `--modes lora` only on one GPU (full fine-tuning is planned at ~270 GB)
 Modes (`--modes`): full (full fine-tuning), ckpt (full + `--gradient_checkpointing`), lora (`--lora_r 16`, shared
 backbones, `--gradient_checkpointing`).
 Policy and ref are the same random model; value and reward are LlamaForSequenceClassification with the policy's
@@ -78,6 +80,9 @@ SIZES = {
     "1b": dict(hidden_size=2048, num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
                intermediate_size=8192, tie_word_embeddings=True, rope_theta=500000.0, rms_norm_eps=1e-5,
                vocab_size=128256),
+    "7b": dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=32,
+               intermediate_size=11008, tie_word_embeddings=False, rope_theta=10000.0, rms_norm_eps=1e-5,
+               vocab_size=32000),
 }
 MODES = {"full": {}, "ckpt": {"gradient_checkpointing": True},
          "lora": {"lora_r": 16, "lora_share_backbones": True, "gradient_checkpointing": True}}

@@ -1,4 +1,5 @@
-"""This machine's matrix-product peak in fp32 and bf16: the physical limit the PPO benchmark's FLOP/s is held against.
+"""This machine's matrix-product peak in fp32 (TF32 on CUDA, as ppo.py runs it) and bf16: the physical limit the
+PPO benchmark's FLOP/s is held against.
 
 Times `torch.matmul` (C = A @ B, A: (m, k), B: (k, n), 2*m*k*n FLOPs) for the matrix shapes one PPO minibatch of
 SmolLM2-135M runs through (hidden 576, intermediate 1536, 3 KV heads x 64, vocab 49152; `--tokens` rows, default
@@ -98,9 +99,12 @@ def measure(device="cpu", threads=2, tokens=448, response_tokens=192, square=Non
         torch.set_num_threads(threads)
     square = square or (8192 if device == "cuda" else 2048)
     torch_dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16}
-    # fp32 products run as torch's default does them, as in ppo.py's fp32 runs: no TF32 unless the user enabled it.
+    # fp32 products run as in ppo.py's fp32 runs: on CUDA, ppo.py turns TF32 on (a GPU run of 2026-12-04 without
+    # this divided TF32's rate by plain fp32's peak and printed an MFU of 301%), so the fp32 peak here is TF32's.
     name = device_name(device)
     rows = []
+    tf32 = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = device == "cuda"
     for dtype in dtypes:
         for shape_name, m, k, n in shapes(tokens, response_tokens, square):
             s = time_matmul(torch, device, torch_dtypes[dtype], m, k, n, min_time_s, rounds)
@@ -109,10 +113,11 @@ def measure(device="cpu", threads=2, tokens=448, response_tokens=192, square=Non
             if verbose:
                 print(f"  {device} {dtype:4s} {shape_name:16s} ({m:5d} x {k:5d}) @ ({k:5d} x {n:5d}): "
                       f"{rows[-1]['tflops'] * 1e3:9.1f} GFLOP/s", flush=True)
+    torch.backends.cuda.matmul.allow_tf32, tf32_used = tf32, torch.backends.cuda.matmul.allow_tf32
     return {
         "device": device, "device_name": name, "threads": threads if device == "cpu" else None,
         "torch": torch.__version__, "date": time.strftime("%Y-%m-%d %H:%M:%S"),
-        "allow_tf32": torch.backends.cuda.matmul.allow_tf32 if device == "cuda" else None,
+        "allow_tf32": tf32_used if device == "cuda" else None,
         "method": f"torch.matmul(out=) on random normals; best of {rounds} rounds of >= {min_time_s} s after 3 "
                   "warm-up products; FLOPs = 2*m*k*n",
         "shapes": rows,
