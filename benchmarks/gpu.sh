@@ -15,8 +15,9 @@
 #   WHEELS               folder of wheels from benchmarks/fetch_wheels.sh; default .whl
 #   OUT                  where the JSON, markdown table and logs go (the device tool's $OUT); default
 #                        benchmarks/results/gpu
-# The GPU machine lacks tyro and datasets (ppo.py imports both): when either is missing they are installed from
-# $WHEELS into /tmp/site (pip --no-index --no-deps: nothing is fetched, nothing already there is touched).
+# The GPU machine lacks tyro and datasets (ppo.py imports both): when either is missing, every wheel in $WHEELS
+# (fetch_wheels.sh: those two, their requirements, the pinned transformers and peft) is installed into /tmp/site,
+# first on the path (pip --no-index --no-deps: nothing is fetched, nothing already there is touched).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out="${OUT:-benchmarks/results/gpu}"
