@@ -92,9 +92,10 @@ Peak = runtime + weights + optimizer + rollout + zero3 + (gradients + autocast +
 and the training phase's transients are added, not the larger one taken: measured on the CPU (glibc's heap, which
 ppo.py tells never to hand memory back: `tune_cpu_allocator`), the memory the rollout frees is not reused for the
 training phase's tensors of other shapes (taking the larger of the two missed the LoRA modes by 28-35%). On a GPU,
-PyTorch's caching allocator may reuse more: there the sum is an upper bound. Within the training phase the terms do
-coexist (the end of an accumulated microbatch's forward, above); with checkpointing the recomputed layer comes only
-in the backward, after the autocast copies are gone, so there the sum is an upper bound by that layer.
+PyTorch's caching allocator reuses more: there the sum is an upper bound (seen on one H200: docs/performance.md).
+Within the training phase the terms do coexist (the end of an accumulated microbatch's forward, above); with
+checkpointing the recomputed layer comes only in the backward, after the autocast copies are gone, so there the sum
+is an upper bound by that layer.
 Not modelled: FSDP (configs/fsdp.yaml; `zero_stage` covers DeepSpeed only), DeepSpeed's bf16, DDP's start-up
 broadcast buffers, LoRA's small extras (its layers' rank-r activations, the score head's frozen original), the
 no-grad passes' layer temporaries (one layer of a rollout chunk at a time), the reward model's scoring pass (no
