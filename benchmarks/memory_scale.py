@@ -3,6 +3,7 @@ depend on them) and SmolLM2's tokenizer:
 
     python benchmarks/memory_scale.py zero3       # ppo_multinode.py, 2 processes, DDP against ZeRO-3 (~10 min)
     python benchmarks/memory_scale.py zero3 --engines zero3 zero3_layers   # ZeRO-3 generation: gathered once or not
+    python benchmarks/memory_scale.py zero3 --mixed_precision bf16         # DDP's autocast against DeepSpeed's bf16
     python benchmarks/memory_scale.py lora        # ppo.py, LoRA r16 + shared backbones, bf16, a ~0.5B model
     python benchmarks/memory_scale.py lora --repo /path/to/an/older/checkout   # the same run with older code
     python benchmarks/memory_scale.py scoring     # the LM head's part of one no-grad scoring pass, 128k vocabulary
@@ -94,16 +95,17 @@ def common_flags(models, out, name):
             "--log_dir", os.path.join(out, "tb"), "--run_name", name]
 
 
-def launch_two(engine, repo, work, models, default_malloc=False):
-    """One 2-process ppo_multinode.py update under `engine` (ddp, zero3, zero3_layers); the peak RSS (bytes) of
-    rank 0 and 1 and the update's generation seconds."""
+def launch_two(engine, repo, work, models, default_malloc=False, precision="no"):
+    """One 2-process ppo_multinode.py update under `engine` (ddp, zero3, zero3_layers) in `precision` (no: float32;
+    bf16: DDP's autocast, DeepSpeed's own bf16); the peak RSS (bytes) of rank 0 and 1 and the update's generation
+    seconds."""
     out = os.path.join(work, engine)
     os.makedirs(out, exist_ok=True)
     driver = os.path.join(work, "driver.py")
     with open(driver, "w") as f:
         f.write(DRIVER.format(repo=repo, out=out))
-    launcher = [sys.executable, "-m", "accelerate.commands.launch", "--num_machines", "1", "--mixed_precision", "no",
-                "--dynamo_backend", "no", "--num_processes", "2", "--num_cpu_threads_per_process", "1",
+    launcher = [sys.executable, "-m", "accelerate.commands.launch", "--num_machines", "1",
+                "--mixed_precision", precision, "--dynamo_backend", "no", "--num_processes", "2", "--num_cpu_threads_per_process", "1",
                 "--main_process_port", "0"]
     env = {k: v for k, v in os.environ.items() if k != "ACCELERATE_USE_CPU"}
     env.update(CUDA_VISIBLE_DEVICES="", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="1",
@@ -113,7 +115,7 @@ def launch_two(engine, repo, work, models, default_malloc=False):
         env["ACCELERATE_USE_CPU"] = "true"
     else:
         launcher += ["--config_file", os.path.join(repo, "configs", "deepspeed_zero3.yaml")]
-    flags = common_flags(models, out, engine) + ["--mixed_precision", "no"]
+    flags = common_flags(models, out, engine) + ["--mixed_precision", precision]
     flags += ["--no-gather_for_generation"] if engine == "zero3_layers" else []
     with open(os.path.join(out, "output.txt"), "w") as log:
         proc = subprocess.run(launcher + [driver] + flags, cwd=repo, env=env, stdout=log, stderr=subprocess.STDOUT)
@@ -191,6 +193,8 @@ def main():
     parser.add_argument("--rows", type=int, default=32, help="scoring: rows of 512 response tokens")
     parser.add_argument("--default_malloc", action="store_true",
                         help="zero3: leave glibc's malloc as it is (no `tune_cpu_allocator`)")
+    parser.add_argument("--mixed_precision", default="no", choices=["no", "bf16"],
+                        help="zero3: float32 (no), or bf16 (DDP's autocast against DeepSpeed's own bf16)")
     parser.add_argument("--engines", nargs="+", default=["ddp", "zero3"], choices=["ddp", "zero3", "zero3_layers"])
     parser.add_argument("--repo", default=HERE, help="the checkout whose scripts run (default: this one)")
     parser.add_argument("--work", default=None, help="folder for the models and runs (default: a new temp folder)")
@@ -210,8 +214,9 @@ def main():
             build_models(models, SHAPES[args.experiment])
     if args.experiment == "zero3":
         for engine in args.engines:
-            peaks = launch_two(engine, args.repo, work, models, args.default_malloc)
+            peaks = launch_two(engine, args.repo, work, models, args.default_malloc, args.mixed_precision)
             malloc = ", glibc's default malloc" if args.default_malloc else ""
+            malloc += ", bf16" if args.mixed_precision == "bf16" else ""
             results[f"zero3 experiment, {engine}, code {commit}{malloc}"] = {
                 "rank0_gb": peaks[0] / GB, "rank1_gb": peaks[1] / GB, "generation_s": peaks[2]}
             print(f"{engine}: peak RSS rank 0 {peaks[0] / GB:.2f} GB, rank 1 {peaks[1] / GB:.2f} GB; generation "
