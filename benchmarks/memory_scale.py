@@ -105,8 +105,8 @@ def launch_two(engine, repo, work, models, default_malloc=False, precision="no")
     with open(driver, "w") as f:
         f.write(DRIVER.format(repo=repo, out=out))
     launcher = [sys.executable, "-m", "accelerate.commands.launch", "--num_machines", "1",
-                "--mixed_precision", precision, "--dynamo_backend", "no", "--num_processes", "2", "--num_cpu_threads_per_process", "1",
-                "--main_process_port", "0"]
+                "--mixed_precision", precision, "--dynamo_backend", "no", "--num_processes", "2",
+                "--num_cpu_threads_per_process", "1", "--main_process_port", "0"]
     env = {k: v for k, v in os.environ.items() if k != "ACCELERATE_USE_CPU"}
     env.update(CUDA_VISIBLE_DEVICES="", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="1",
                DEFAULT_MALLOC="1" if default_malloc else "0")
