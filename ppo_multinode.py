@@ -184,7 +184,7 @@ class Args:
     token (TRL's `ds3_gather_for_generation`); False for models too large to hold whole on one device."""
     # --- evaluation, logging, saving ---
     eval_every: int = 5
-    """PPO updates between held-out evaluations (also run before the first and after the last update)."""
+    """PPO updates between held-out evaluations (also run before the first update of a fresh run and after the last)."""
     eval_prompts: int = 32
     """Held-out prompts scored at each evaluation (a fixed prefix of the held-out split, sampled with a fixed seed)."""
     eval_reward_fn: Optional[str] = None
@@ -199,7 +199,7 @@ class Args:
     checkpoint_dir: str = ""
     """Where checkpoints go; empty means `<output_dir>-checkpoints`."""
     save_total_limit: int = 2
-    """Checkpoints kept (the newest); older ones are deleted after each save."""
+    """Checkpoints kept (the newest; 0 keeps every one); older ones are deleted after each save."""
     resume_from: str = ""
     """Continue a run exactly from a `checkpoint-<update>` folder, `latest`, or `auto` (latest if any, else start)."""
     mixed_precision: str = "auto"
@@ -1661,8 +1661,8 @@ def cast_frozen_linears(model, dtype):
 def fit_deepspeed_config(accelerator, micro_batch_size, gradient_accumulation_steps, max_grad_norm, hidden_size):
     """Before `prepare`, under DeepSpeed: the script's own micro-batch, accumulation and --max_grad_norm written into
     the config (the scripts cut their own batches, and DeepSpeed's own values would win inside `backward`), and
-    ZeRO-3's unset buffer sizes from the model's `hidden_size` h instead of DeepSpeed's fixed 0.5-1B parameters
-    (docs/implementation.md, "Plumbing"). A no-op without DeepSpeed."""
+    ZeRO-3's unset buffer sizes from the model's `hidden_size` h instead of DeepSpeed's fixed defaults (up to 1e9
+    elements; docs/implementation.md, "Plumbing"). A no-op without DeepSpeed."""
     plugin = accelerator.state.deepspeed_plugin
     if plugin is None:
         return

@@ -121,7 +121,7 @@ class Args:
     max_loss_ratio: Optional[float] = 2.0
     """Stop with one error line, saving nothing of that step, once the training loss smoothed over ~10 steps is
     above this many times its lowest smoothed value and above its first step's (`watch_loss`): the run diverged.
-    In the default run it rose to 1.4x its lowest, 1.3% above its first (docs/results.md). None: never stop."""
+    In the default run it rose to 1.4x its lowest, 1.3% above its first (docs/reliability.md). None: never stop."""
     # --- memory: LoRA, gradient checkpointing (docs/scale.md) ---
     lora_r: int = 0
     """LoRA rank: > 0 freezes the model and trains rank-r adapters on `lora_target_modules`, the score head whole
@@ -138,7 +138,7 @@ class Args:
     kept): for about a third more compute, activation memory of one layer instead of all; the same gradients."""
     # --- evaluation, logging, saving ---
     eval_every: int = 30
-    """Optimizer steps between held-out evaluations (also run at the start and end)."""
+    """Optimizer steps between held-out evaluations (also run at the start of a fresh run and at the end)."""
     eval_samples: int = 256
     """Held-out pairs used for accuracy, loss and the reward bias (a fixed prefix of the held-out split). 256 give
     the accuracy to about +-0.03 (IMDB holds each pair twice, after either review's prompt)."""
@@ -151,7 +151,7 @@ class Args:
     checkpoint_dir: str = ""
     """Where checkpoints go; empty means `<output_dir>-checkpoints`."""
     save_total_limit: int = 2
-    """Checkpoints kept (the newest); older ones are deleted after each save."""
+    """Checkpoints kept (the newest; 0 keeps every one); older ones are deleted after each save."""
     resume_from: str = ""
     """A `checkpoint-<step>` folder, `latest`, or `auto` (latest if there is one, else start fresh: for requeued
     jobs): continue that run exactly as if it had never stopped."""
@@ -1047,8 +1047,8 @@ def cast_frozen_linears(model, dtype):
 def fit_deepspeed_config(accelerator, micro_batch_size, gradient_accumulation_steps, max_grad_norm, hidden_size):
     """Before `prepare`, under DeepSpeed: the script's own micro-batch, accumulation and --max_grad_norm written into
     the config (the scripts cut their own batches, and DeepSpeed's own values would win inside `backward`), and
-    ZeRO-3's unset buffer sizes from the model's `hidden_size` h instead of DeepSpeed's fixed 0.5-1B parameters
-    (docs/implementation.md, "Plumbing"). A no-op without DeepSpeed."""
+    ZeRO-3's unset buffer sizes from the model's `hidden_size` h instead of DeepSpeed's fixed defaults (up to 1e9
+    elements; docs/implementation.md, "Plumbing"). A no-op without DeepSpeed."""
     plugin = accelerator.state.deepspeed_plugin
     if plugin is None:
         return

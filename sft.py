@@ -21,7 +21,8 @@ Run it:
     # DeepSpeed without GPUs (its CPU accelerator, gloo; no ACCELERATE_USE_CPU, which would mean DDP): tested
     # equal to DDP on 2 processes, ZeRO-2 and ZeRO-3 (sharded_test.py); FSDP too, through a test-only driver
     accelerate launch --config_file configs/deepspeed_zero2.yaml --num_processes 2 sft.py
-    python sft.py --dataset_name ../shared/data/hh-rlhf/harmless-base-test.jsonl.gz --output_dir runs/hh/sft
+    python sft.py --dataset_name ../shared/data/hh-rlhf/harmless-base-test.jsonl.gz --output_dir runs/hh/sft \
+        --max_prompt_length 128 --max_length 192
 
 Follows: Ouyang et al. 2022 "Training language models to follow instructions with human feedback" (InstructGPT),
 section 3.5 (SFT; they train 16 epochs with a cosine decay and residual dropout 0.2, here 80 steps, a linear decay
@@ -123,7 +124,7 @@ class Args:
     kept): for about a third more compute, activation memory of one layer instead of all; the same gradients."""
     # --- evaluation, logging, saving ---
     eval_every: int = 40
-    """Optimizer steps between held-out evaluations (also run at the start and end)."""
+    """Optimizer steps between held-out evaluations (also run at the start of a fresh run and at the end)."""
     eval_samples: int = 128
     """Held-out examples used for the eval loss (a fixed prefix of the held-out split)."""
     num_sample_generations: int = 4
@@ -135,7 +136,7 @@ class Args:
     checkpoint_dir: str = ""
     """Where checkpoints go; empty means `<output_dir>-checkpoints`."""
     save_total_limit: int = 2
-    """Checkpoints kept (the newest); older ones are deleted after each save."""
+    """Checkpoints kept (the newest; 0 keeps every one); older ones are deleted after each save."""
     resume_from: str = ""
     """A `checkpoint-<step>` folder, `latest`, or `auto` (latest if there is one, else start fresh: for requeued
     jobs): continue that run exactly as if it had never stopped."""
@@ -190,7 +191,7 @@ def collate_sft(examples, pad_token_id):
 
 @torch.no_grad()
 def evaluate_sft(accelerator, model, eval_loader):
-    """Token-weighted mean completion loss (nats per completion token) over the whole held-out set, all processes."""
+    """Token-weighted mean completion loss (nats per completion token) over the held-out rows of every process."""
     model.eval()
     totals = torch.zeros(2, device=accelerator.device)
     for batch in eval_loader:
@@ -985,8 +986,8 @@ def cast_frozen_linears(model, dtype):
 def fit_deepspeed_config(accelerator, micro_batch_size, gradient_accumulation_steps, max_grad_norm, hidden_size):
     """Before `prepare`, under DeepSpeed: the script's own micro-batch, accumulation and --max_grad_norm written into
     the config (the scripts cut their own batches, and DeepSpeed's own values would win inside `backward`), and
-    ZeRO-3's unset buffer sizes from the model's `hidden_size` h instead of DeepSpeed's fixed 0.5-1B parameters
-    (docs/implementation.md, "Plumbing"). A no-op without DeepSpeed."""
+    ZeRO-3's unset buffer sizes from the model's `hidden_size` h instead of DeepSpeed's fixed defaults (up to 1e9
+    elements; docs/implementation.md, "Plumbing"). A no-op without DeepSpeed."""
     plugin = accelerator.state.deepspeed_plugin
     if plugin is None:
         return
