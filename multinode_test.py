@@ -244,9 +244,16 @@ def central_worker(out_dir):
         responses, response_mask)
     values = torch.tensor([1.0, 2.0]) if rank == 0 else torch.tensor([3.0, 4.0, 5.0, 6.0])
     mean, var = ppo_multinode.global_masked_stats(accelerator, values, torch.ones_like(values))
+    # the largest |log ratio| of one (epoch, minibatch, microbatch): 1.0 on process 0, 2.0 on process 1
+    v, largest = values[:, None], torch.tensor([[[[rank + 1.0, 1.0]]]])
+    metrics, last_stats = ppo_multinode.batch_metrics(
+        accelerator, {"policy/max_abs_log_ratio": largest}, 0.1, values, v * 0, v * 0, v, v, v * 0,
+        torch.ones_like(v), torch.ones(len(values), dtype=torch.bool))
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump({"scores": scores.tolist(), "calls": calls, "stats": stats, "mean": mean.item(),
-                   "std": var.sqrt().item(), "rng_unchanged": torch.equal(torch.get_rng_state(), before)}, f)
+                   "std": var.sqrt().item(), "rng_unchanged": torch.equal(torch.get_rng_state(), before),
+                   "max_ratio": metrics["ppo/policy/max_abs_log_ratio"],
+                   "last_max_ratio": last_stats["policy/max_abs_log_ratio"].tolist()}, f)
     accelerator.end_training()  # destroys the process group: a clean exit for gloo's threads
 
 
@@ -269,6 +276,8 @@ def test_two_processes_gather_score_once_and_scatter(tmp_path):
     for result in (rank0, rank1):
         assert result["mean"] == pytest.approx(3.5)
         assert result["std"] == pytest.approx(all_values.std().item())
+        # batch_metrics: the largest |log ratio| is the max over processes (2.0), in the metric and in last_stats
+        assert result["max_ratio"] == 2.0 and result["last_max_ratio"] == [[[[2.0, 1.0]]]], result
 
 
 # ---------------------------------------------------------------------------------------------------------------

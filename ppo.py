@@ -177,7 +177,7 @@ class Args:
     """A judge PPO never optimises, `module:function` (the --reward_fn interface; not `model`), e.g.
     imdb_gold_reward:sentiment: an independent second reading of the held-out samples (eval/gold_scores). None: none."""
     num_sample_generations: int = 8
-    """(query, response, score) rows written to tensorboard per evaluation."""
+    """(query, response, score) rows per evaluation to tensorboard, of the main process's held-out prompts."""
     seed: int = 1
     """Seeds python, numpy and torch; process i samples with seed + i so processes draw different rollouts."""
     save_every: int = 0
@@ -438,9 +438,9 @@ def ppo_epochs(accelerator, model, optimizer, scheduler, rollouts, args, update)
     """Step (6): `ppo_epochs` passes over this process's rollouts, one optimizer step per minibatch.
     `rollouts`: `query_responses`, `attention_mask` (B, Q+T) long and `logprobs`, `values`, `advantages`, `returns`,
     `mask` (B, T) float32, B = local_batch_size (`derive_sizes`). Returns the statistics, a dict of (E, M, U, 2) float32
-    tensors of (sum, count) per (epoch, minibatch, microbatch), not yet reduced over processes. Raises
-    FloatingPointError on a non-finite gradient. Minibatches: the batch is cut into processes x U columns (process p
-    holds columns pU .. pU+U-1, its rows in order), each permuted anew every epoch (so a rollout meets new ones);
+    tensors of (sum, count) per (epoch, minibatch, microbatch), not yet reduced over processes. A non-finite gradient
+    raises FloatingPointError (fp16 skips the step). Minibatches: the batch is cut into processes x U columns (process
+    p holds columns pU .. pU+U-1, its rows in order), each permuted anew every epoch (a rollout meets new ones);
     minibatch m is the m-th slice of every permutation, the slice of column pU+u being microbatch u of process p:
         rollouts  0 1 2 3 | 4 5 6 7 | 8 9 10 11 | 12 13 14 15    2 processes, U = 2, M = 2: minibatch m = rows 2m,
         column       0    |    1    |     2     |      3         2m+1 of each column's permutation, 4 microbatches
@@ -493,10 +493,11 @@ def ppo_losses(new_logprobs, logprobs, advantages, new_values, values, returns, 
     ppo2 and lm-human-preferences), with their statistics. All inputs (B, T) float32; `mask` 1 on real response
     tokens. Returns `(pg_loss, vf_loss, stats)`: the losses are sums over the masked tokens divided by `n_tokens`
     (0-dim; default `mask.sum()`, the token mean); `stats` maps names to `(sum, count)` pairs of 0-dim tensors, reduced
-    over microbatches and processes before dividing. The value loss is the larger squared error, x 0.5. A clip fraction
-    is the share of real tokens whose clipped term is the larger (no gradient), as in lm-human-preferences and SFFD:
-    advantage -1 at ratio 1.5 is not counted (cleanrl counts every ratio outside the range). New values are clamped
-    to the range, not moved by a clamped step from `values` as there: inside it that sum can be 1 ulp off and count."""
+    over microbatches and processes before dividing (`(max, 1)` for the max |log ratio|). The value loss is the larger
+    squared error, x 0.5. A clip fraction is the share of real tokens whose clipped term is the larger (no gradient),
+    as in lm-human-preferences and SFFD: advantage -1 at ratio 1.5 is not counted (cleanrl counts every ratio outside
+    the range). New values are clamped to the range as there (cleanrl and ppo2 add a clamped step to `values`: 1 ulp
+    off inside the range, that sum can count as clipped)."""
     count = mask.sum()
     n_tokens = count if n_tokens is None else n_tokens
     log_ratio = (new_logprobs - logprobs) * mask
@@ -520,11 +521,11 @@ def ppo_losses(new_logprobs, logprobs, advantages, new_values, values, returns, 
 
 def batch_metrics(accelerator, stats, kl_coef, scores, kl, logprobs, values, returns, advantages, mask, contains_stop):
     """Step (7)'s metrics, sums and counts over all samples of all processes, then divided. Takes the update's tensors,
-    (B,) or (B, T) float32, and `ppo_epochs`'s `stats`. Returns `(metrics, last_stats)`: a dict of floats (one host
-    sync) and the statistics reduced over processes, (E, M, U, 2) CPU tensors by name. In nats, of the distributions at
-    the sampling temperature: objective/kl and objective/entropy per sequence, sums of sampled per-token terms (k1,
-    -logprob); ppo/policy/entropy_avg per token, exact; approxkl per token, k2. objective/scores is after the missing-
-    EOS penalty and score clip, eval/scores before. Names: SFFD's unless docs/implementation.md says otherwise."""
+    (B,) or (B, T) float32, and `ppo_epochs`'s `stats`. Returns `(metrics, last_stats)`: a dict of floats and the
+    statistics reduced over processes, (E, M, U, 2) CPU tensors by name (three host copies in all). In nats, of the
+    distributions at the sampling temperature: objective/kl and objective/entropy per sequence, sums of sampled
+    per-token terms (k1, -logprob); ppo/policy/entropy_avg per token, exact; approxkl per token, k2. objective/scores
+    is after the missing-EOS penalty and score clip, eval/scores before. Names: SFFD's (else docs/implementation.md)."""
     seq_kl, ones, stopped = kl.sum(1), torch.ones_like(scores), contains_stop.float()
     metrics = {}
     for name, value, weight in [("objective/kl", seq_kl, ones), ("objective/scores", scores, ones),
@@ -537,11 +538,11 @@ def batch_metrics(accelerator, stats, kl_coef, scores, kl, logprobs, values, ret
         if name in ("objective/scores", "objective/kl", "ppo/returns/mean"):
             metrics[name.removesuffix("/mean") + "_std"] = var.sqrt()
     reduced = accelerator.reduce(torch.stack(list(stats.values())), reduction="sum")  # (stats, E, M, U, 2)
-    last_stats = {name: table.cpu() for name, table in zip(stats, reduced)}
-    for name, table in last_stats.items():
-        if name != "policy/max_abs_log_ratio":
-            metrics[f"ppo/{name}_avg"] = table[..., 0].sum() / table[..., 1].sum()
-    metrics["ppo/policy/max_abs_log_ratio"] = accelerator.gather(stats["policy/max_abs_log_ratio"][..., 0]).max()
+    largest = accelerator.gather(stats["policy/max_abs_log_ratio"][None]).amax(0)  # a max over processes, not a sum
+    last_stats = {**dict(zip(stats, reduced.cpu())), "policy/max_abs_log_ratio": largest.cpu()}
+    metrics |= {f"ppo/{name}_avg": table[..., 0].sum() / table[..., 1].sum()
+                for name, table in last_stats.items() if name != "policy/max_abs_log_ratio"}
+    metrics["ppo/policy/max_abs_log_ratio"] = largest[..., 0].max()
     # cleanrl's explained variance of the rollout values, over real tokens: 1 if exact, 0 if always the mean return.
     var_returns, var_errors = (global_masked_stats(accelerator, x, mask)[1] for x in (returns, returns - values))
     metrics["ppo/val/explained_variance"] = 1 - var_errors / var_returns
@@ -549,8 +550,7 @@ def batch_metrics(accelerator, stats, kl_coef, scores, kl, logprobs, values, ret
 
 
 def main(args: Args):
-    """Run PPO; returns the held-out metrics before and after, every update's metrics and the last update's
-    statistics per (epoch, minibatch, microbatch)."""
+    """Run PPO; returns held-out metrics before and after, every update's metrics, the last update's `last_stats`."""
     logging.basicConfig(format="%(asctime)s %(levelname)s %(message)s", level=logging.INFO)
     accelerator = make_accelerator(args)
     args = derive_sizes(args, accelerator.num_processes)
@@ -787,8 +787,8 @@ def import_reward_fn(reward_fn, reward_model_path, flag="--reward_fn"):
 def check_score_head(path, flag):
     """Raise ValueError unless the checkpoint at `path` (hub id, folder or .gguf) is a sequence-classification
     model with one output, i.e. has a trained scalar head (reward.py's output is one). transformers gives a
-    causal-LM checkpoint loaded as a sequence classifier a random head without complaint, and PPO would then
-    optimise noise."""
+    causal-LM checkpoint loaded as a sequence classifier a random head with a logged warning and no error, and PPO
+    would then optimise noise."""
     source, gguf_file = resolve_model_source(path)
     config = AutoConfig.from_pretrained(source, gguf_file=gguf_file)
     if not has_score_head(config):
@@ -802,7 +802,8 @@ def check_score_head(path, flag):
 
 def has_score_head(config):
     """Whether a checkpoint's config names a sequence-classification architecture, i.e. the checkpoint holds a trained
-    scalar head. Any other checkpoint loaded as a sequence classifier gets a random head from transformers, silently."""
+    scalar head. Any other checkpoint loaded as a sequence classifier gets a random head from transformers (a warning,
+    no error)."""
     return any(name.endswith("ForSequenceClassification") for name in config.architectures or [])
 
 
@@ -868,7 +869,8 @@ def load_models(args, plugged_reward, tokenizer, accelerator):
     share, frozen = args.lora_r > 0 and args.lora_share_backbones, frozen_dtype(accelerator)
     # DeepSpeed's bf16/fp16 engine runs a prepared model with every parameter in that dtype (norms and heads too; the
     # buffers stay float32) and no autocast: a frozen model left unprepared is cast so too (ZeRO-3's reference: by an
-    # engine of its own, `shard_reference`), to compute what the policy does (KL 0 at update 0); else as autocast runs.
+    # engine of its own, `shard_reference`, in ppo_multinode.py), to compute what the policy does (KL 0 at update 0);
+    # else as autocast runs.
     engine_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(accelerator.mixed_precision)
     if accelerator.distributed_type != DistributedType.DEEPSPEED:
         engine_dtype = None
@@ -878,7 +880,7 @@ def load_models(args, plugged_reward, tokenizer, accelerator):
         if engine_dtype is None:
             return cast_frozen_linears(model, frozen)
         for p in model.parameters():
-            if not hasattr(p, "ds_id"):  # ds_id: partitioned by ZeRO-3, in the engine's dtype already
+            if not hasattr(p, "ds_id"):  # ds_id: partitioned by ZeRO-3 (ppo_multinode.py), in the engine's dtype
                 p.data = p.data.to(engine_dtype)
         return model
 
