@@ -1999,6 +1999,7 @@ def exit_process(status):
             stream.flush()
     os._exit(status)
 
+
 def parse_args(args_class):
     """`tyro.cli(args_class)`, each flag's help its field's docstring as one paragraph (tyro 1.0 keeps the line
     breaks before a docstring's indented lines, brentyi/tyro#429: sentences broke mid-line in `--help`)."""
