@@ -558,7 +558,7 @@ def ppo_losses(new_logprobs, logprobs, advantages, new_values, values, returns, 
     over microbatches and processes before dividing (`(max, 1)` for the max |log ratio|). The value loss is the larger
     squared error, x 0.5. A clip fraction is the share of real tokens whose clipped term is the larger (no gradient),
     as in lm-human-preferences and SFFD: advantage -1 at ratio 1.5 is not counted (cleanrl counts every ratio outside
-    the range). New values are clamped to the range as there (cleanrl and ppo2 add a clamped step to `values`: 1 ulp
+    the range). New values are clamped to the range as in SFFD (cleanrl and ppo2 add a clamped step to `values`: 1 ulp
     off inside the range, that sum can count as clipped)."""
     count = mask.sum()
     n_tokens = count if n_tokens is None else n_tokens
