@@ -215,9 +215,9 @@ def main():
     if args.experiment == "zero3":
         for engine in args.engines:
             peaks = launch_two(engine, args.repo, work, models, args.default_malloc, args.mixed_precision)
-            malloc = ", glibc's default malloc" if args.default_malloc else ""
-            malloc += ", bf16" if args.mixed_precision == "bf16" else ""
-            results[f"zero3 experiment, {engine}, code {commit}{malloc}"] = {
+            variant = (", glibc's default malloc" if args.default_malloc else "") + (
+                ", bf16" if args.mixed_precision == "bf16" else "")
+            results[f"zero3 experiment, {engine}, code {commit}{variant}"] = {
                 "rank0_gb": peaks[0] / GB, "rank1_gb": peaks[1] / GB, "generation_s": peaks[2]}
             print(f"{engine}: peak RSS rank 0 {peaks[0] / GB:.2f} GB, rank 1 {peaks[1] / GB:.2f} GB; generation "
                   f"{peaks[2]:.1f} s", flush=True)

@@ -99,8 +99,8 @@ def measure(device="cpu", threads=2, tokens=448, response_tokens=192, square=Non
         torch.set_num_threads(threads)
     square = square or (8192 if device == "cuda" else 2048)
     torch_dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16}
-    # fp32 products run as in ppo.py's fp32 runs: on CUDA, ppo.py turns TF32 on (a GPU run of 2026-12-04 without
-    # this divided TF32's rate by plain fp32's peak and printed an MFU of 301%), so the fp32 peak here is TF32's.
+    # fp32 products run as ppo.py's fp32 runs do: with TF32 on CUDA (`make_accelerator`), so the fp32 peak there is
+    # TF32's, the denominator of a float32 run's MFU.
     name = device_name(device)
     rows = []
     tf32 = torch.backends.cuda.matmul.allow_tf32
@@ -113,11 +113,11 @@ def measure(device="cpu", threads=2, tokens=448, response_tokens=192, square=Non
             if verbose:
                 print(f"  {device} {dtype:4s} {shape_name:16s} ({m:5d} x {k:5d}) @ ({k:5d} x {n:5d}): "
                       f"{rows[-1]['tflops'] * 1e3:9.1f} GFLOP/s", flush=True)
-    torch.backends.cuda.matmul.allow_tf32, tf32_used = tf32, torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = tf32  # as the caller had it
     return {
         "device": device, "device_name": name, "threads": threads if device == "cpu" else None,
         "torch": torch.__version__, "date": time.strftime("%Y-%m-%d %H:%M:%S"),
-        "allow_tf32": tf32_used if device == "cuda" else None,
+        "allow_tf32": True if device == "cuda" else None,
         "method": f"torch.matmul(out=) on random normals; best of {rounds} rounds of >= {min_time_s} s after 3 "
                   "warm-up products; FLOPs = 2*m*k*n",
         "shapes": rows,
