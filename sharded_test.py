@@ -23,7 +23,9 @@ is sharded.
   uninterrupted run ended;
   ppo_multinode.py with processes that generate different numbers of tokens finishes, and fails fast without synced
   generation;
-- FSDP (configs/fsdp.yaml, version 1): sft.py, reward.py, ppo_multinode.py; version 2 (fully_shard): ppo_multinode.py;
+- FSDP (configs/fsdp.yaml, version 1): sft.py, reward.py, ppo_multinode.py; version 2 (configs/fsdp2.yaml,
+  fully_shard): ppo_multinode.py; each resumed from a checkpoint (version 2's sharded) ends where the uninterrupted
+  run ended;
 - ppo.py refuses ZeRO-3 and FSDP with one `error:` line.
 About a minute per test on 2 busy CPU cores, most of it process start-up.
 """
@@ -452,28 +454,12 @@ def launch_fsdp(args, run_name, tmp_path, config="fsdp", env_extra=None):
     return output
 
 
-def fsdp2_config(tmp_path):
-    """configs/fsdp.yaml with `fsdp_version: 2` (`fully_shard`, parameters as DTensors), written to `tmp_path`: the
-    version-1 settings that version 2 has no use for are dropped, `fsdp_reshard_after_forward` becomes a boolean."""
-    import yaml
-
-    with open(os.path.join(HERE, "configs", "fsdp.yaml")) as f:
-        config = yaml.safe_load(f)
-    fsdp = config["fsdp_config"]
-    for key in ("fsdp_use_orig_params", "fsdp_sync_module_states", "fsdp_backward_prefetch", "fsdp_forward_prefetch"):
-        fsdp.pop(key)
-    fsdp.update(fsdp_version=2, fsdp_reshard_after_forward=True)
-    path = tmp_path / "fsdp2.yaml"
-    path.write_text(yaml.safe_dump(config))
-    return str(path)
-
-
 @pytest.mark.parametrize("version", [1, 2])
 def test_ppo_multinode_fsdp_equals_ddp(version, tiny, tmp_path):  # noqa: F811
     """ppo_multinode.py under configs/fsdp.yaml (FSDP version 1 through accelerate, each decoder layer a unit,
-    really sharded on 2 CPU processes: `launch_fsdp`), and under the same config with `fsdp_version: 2`
-    (`fully_shard`), takes the same 2 updates as under DDP: the same logged metrics and saved weights, and the saved
-    models load with from_pretrained. Generation runs in step (synced_gpus) with the root unit's weights gathered
+    really sharded on 2 CPU processes: `launch_fsdp`), and under configs/fsdp2.yaml (version 2, `fully_shard`),
+    takes the same 2 updates as under DDP: the same logged metrics and saved weights, and the saved models load with
+    from_pretrained. Generation runs in step (synced_gpus) with the root unit's weights gathered
     (`sharded_generation_context`)."""
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
@@ -483,7 +469,7 @@ def test_ppo_multinode_fsdp_equals_ddp(version, tiny, tmp_path):  # noqa: F811
         if name == "ddp":
             norms = launch_ddp(cmd, name, tmp_path)
         else:
-            launch_fsdp(cmd, name, tmp_path, "fsdp" if version == 1 else fsdp2_config(tmp_path))
+            launch_fsdp(cmd, name, tmp_path, "fsdp" if version == 1 else "fsdp2")
     assert_clipped_and_moved(norms, HARD_MULTINODE["max_grad_norm"], tiny / "policy", tmp_path / "ddp" / "model",
                              FSDP_ATOL)
     assert assert_same_scalars(str(tmp_path / "tb"), "ddp", "fsdp", {0, 1, 2}, FSDP_ATOL) >= 12
@@ -514,12 +500,14 @@ def test_fsdp_equals_ddp(stage, tiny_model_dir, tmp_path):  # noqa: F811
     model_class.from_pretrained(tmp_path / "fsdp")
 
 
-@pytest.mark.parametrize("stage", ["sft", "reward", "ppo_multinode"])
+@pytest.mark.parametrize("stage", ["sft", "reward", "ppo_multinode", "ppo_multinode-fsdp2"])
 def test_fsdp_resume_equals_uninterrupted(stage, tiny_model_dir, tiny, tmp_path):  # noqa: F811
-    """Under FSDP (configs/fsdp.yaml, version 1, really sharded: `launch_fsdp`) a checkpoint holds what accelerate's
-    save_state writes for FSDP (the models and optimizer states as the config's state-dict type says, every
-    process's random state): resuming from the checkpoint in the middle of a run (step 3 of 6 for sft.py and
+    """Under FSDP (configs/fsdp.yaml, version 1, and for ppo_multinode.py configs/fsdp2.yaml, version 2; really
+    sharded: `launch_fsdp`) a checkpoint holds what accelerate's save_state writes for FSDP (the models and optimizer
+    states as the config's state-dict type says: whole files from the main process in version 1, one shard per
+    process in version 2; every process's random state): resuming from the checkpoint in the middle of a run (step 3 of 6 for sft.py and
     reward.py, update 2 of 4 for ppo_multinode.py) ends where that run ended, and the resumed run did start there."""
+    stage, config = stage.split("-") if "-" in stage else (stage, "fsdp")
     runs, log_dir = {}, str(tmp_path / "tb")
     for name in ("straight", "resumed"):
         runs[name] = tmp_path / name
@@ -533,7 +521,15 @@ def test_fsdp_resume_equals_uninterrupted(stage, tiny_model_dir, tiny, tmp_path)
             extra = ["--save_every", "3"] if name == "straight" else ["--resume_from", checkpoint]
             cmd = stage_command(stage, tiny_model_dir, None, str(runs[name]), name, extra)
             cmd[cmd.index("--per_device_train_batch_size") + 1] = "2"
-        output = launch_fsdp(cmd, name, tmp_path)
+        output = launch_fsdp(cmd, name, tmp_path, config)
+    files = sorted(os.listdir(checkpoint))
+    if config == "fsdp":  # FULL_STATE_DICT: gathered on the main process, one file each
+        assert {"pytorch_model_fsdp.bin", "optimizer.bin"} <= set(files), files
+    else:  # SHARDED_STATE_DICT: torch.distributed.checkpoint folders, one file per process, nothing whole
+        for folder in ("pytorch_model_fsdp_0", "optimizer_0"):
+            assert sorted(f for f in os.listdir(os.path.join(checkpoint, folder)) if f.endswith(".distcp")) == [
+                "__0_0.distcp", "__1_0.distcp"], (folder, files)
+        assert not any(f.endswith(".bin") for f in files), files
     final, resumed_steps = ({"model", "model/value_model"}, {3, 4}) if stage == "ppo_multinode" else ({""}, {4, 5, 6})
     assert_resumed_at(output, log_dir, "resumed", checkpoint)  # it did start after the checkpoint
     assert assert_same_scalars(log_dir, "straight", "resumed", resumed_steps, FSDP_ATOL) >= 3
@@ -698,7 +694,7 @@ def test_fsdp2_generation_gathers_once_or_stays_in_step(tiny, tmp_path):  # noqa
         args = run_args(tiny, tmp_path / name, run_name=name, log_dir=tmp_path / "tb", dist_timeout_s=20)
         cmd = ["python", str(driver), *[f"--{k}={v}" for k, v in args.items()]]
         cmd += [] if gather else ["--no-gather_for_generation"]
-        launch_fsdp(cmd, name, tmp_path, fsdp2_config(tmp_path),
+        launch_fsdp(cmd, name, tmp_path, "fsdp2",
                     {"UNEVEN_SYNCED": synced, "UNEVEN_REPORT_DIR": str(report_dir)})
         reports[name] = [json.loads((report_dir / f"rank{rank}.json").read_text()) for rank in (0, 1)]
         lengths = [report["lengths"] for report in reports[name]]

@@ -29,7 +29,7 @@ import time
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, HERE)
 
-from sharded_test import FSDP_ON_CPU, fsdp2_config  # noqa: E402  (the tests' FSDP-on-CPU driver and config)
+from sharded_test import FSDP_ON_CPU  # noqa: E402  (the tests' FSDP-on-CPU driver)
 from utils_test import build_tiny_model  # noqa: E402
 
 SCRIPTS = {"sft": "sft.py", "reward": "reward.py", "ppo": "ppo.py", "ppo_multinode": "ppo_multinode.py"}
@@ -87,9 +87,7 @@ def launch(config, policy, rm, work, core_dir=None):
         driver = os.path.join(out, "fsdp_on_cpu.py")
         with open(driver, "w") as f:
             f.write(FSDP_ON_CPU)
-        from pathlib import Path
-        config_file = os.path.join(HERE, "configs", "fsdp.yaml") if kind == "fsdp" else fsdp2_config(Path(out))
-        launcher += ["--config_file", config_file]
+        launcher += ["--config_file", os.path.join(HERE, "configs", f"{kind}.yaml")]
         env.update(ACCELERATE_USE_CPU="true", FSDP_REPORT_DIR=out)
         script = [driver, *script]
     cwd = HERE
