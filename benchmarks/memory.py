@@ -64,7 +64,8 @@ DeepSpeed's own bf16, which holds every weight in bf16 beside float32 master cop
                 the head keeps). With gradient checkpointing: each layer's float32 input (4 h) plus one layer
                 recomputed in the backward, plus the final norm's 12 h.
   logits        `response_logprobs` runs the LM head on at most max(1, chunk_entries // V) of the rows x T
-                response positions at a time (chunk_entries = 2^24), in float32 with autocast off (no bf16 logits). Per chunk of C entries: the float32 logits, divided by the temperature, log_softmax;
+                response positions at a time (chunk_entries = 2^24), in float32 with autocast off (no bf16 logits).
+                Per chunk of C entries: the float32 logits, divided by the temperature, log_softmax;
                 with gradient log_softmax's output is kept for the backward (4 bytes an entry of every chunk), the
                 logits and their divided copy are freed; the entropy (no grad) makes exp() and a product. Training
                 pass: 4 x micro_batch_size x T x V (every chunk's log_softmax) + 8 x C (two temporaries of one chunk:
@@ -82,20 +83,28 @@ DeepSpeed's own bf16, which holds every weight in bf16 beside float32 master cop
                 0.9 h^2 more live or prefetched parameters; one reduce bucket of h^2 float32 elements; in the backward
                 a module's whole gradient before it is reduce-scattered (the tied embedding's waits from the head's
                 backward to the embedding's). 4 bytes each: 4 (2 x largest + 1.9 h^2) under full fine-tuning, the
-                gradient part left out under LoRA. Generation and the reference's engine gather layer by layer too.
+                gradient part left out under LoRA. The reference's engine gathers layer by layer too.
+  gathered      ZeRO-3 with `--gather_for_generation` (ppo_multinode.py's default): generation runs with policy and
+                value model gathered whole on every process (DeepSpeed's `unwrap_model_for_generation`), 4 bytes a
+                parameter of both, frozen LoRA base included (DeepSpeed holds it in float32): live tensors, what a
+                GPU's max_memory_allocated counts. Added on 2026-12-04 from the code, not measured on a GPU. On the
+                CPU the 151M run of docs/scale.md peaked 0.13 GB higher with it than with --no-gather_for_generation
+                (7.94 against 7.81 GB), not 1.13 GB: there the heap's growth from every layer-by-layer gather
+                (below the table there) rivals the gathered copy. With --no-gather_for_generation each layer gathers
+                itself at each token: the zero3 term.
   runtime       CPU only: Python, torch, transformers, the tokenizer and the dataset, measured (`measure`) as the peak
                 memory of a process that imports ppo.py and builds its prompts, nothing more (`predictions` adds for
                 ZeRO-3 a guess of what importing DeepSpeed adds, --deepspeed_runtime_gb). On a GPU
                 `torch.cuda.max_memory_allocated` has no such term (the CUDA context and the allocator's cache come
                 on top: leave 10% spare).
-Peak = runtime + weights + optimizer + rollout + zero3 + (gradients + autocast + activations + logits). The rollout's
-and the training phase's transients are added, not the larger one taken: measured on the CPU (glibc's heap, which
-ppo.py tells never to hand memory back: `tune_cpu_allocator`), the memory the rollout frees is not reused for the
-training phase's tensors of other shapes (taking the larger of the two missed the LoRA modes by 28-35%). On a GPU,
-PyTorch's caching allocator reuses more: there the sum is an upper bound (seen on one H200: docs/performance.md).
-Within the training phase the terms do coexist (the end of an accumulated microbatch's forward, above); with
-checkpointing the recomputed layer comes only in the backward, after the autocast copies are gone, so there the sum
-is an upper bound by that layer.
+Peak = runtime + weights + optimizer + rollout + gathered + zero3 + (gradients + autocast + activations + logits).
+The rollout's and the training phase's transients are added, not the larger one taken: measured on the CPU (glibc's
+heap, which ppo.py tells never to hand memory back: `tune_cpu_allocator`), the memory the rollout frees is not
+reused for the training phase's tensors of other shapes (taking the larger of the two missed the LoRA modes by
+28-35%). On a GPU, PyTorch's caching allocator reuses more: there the sum is an upper bound (seen on one H200:
+docs/performance.md). Within the training phase the terms do coexist (the end of an accumulated microbatch's
+forward, above); with checkpointing the recomputed layer comes only in the backward, after the autocast copies are
+gone, so there the sum is an upper bound by that layer.
 Not modelled: FSDP (configs/fsdp.yaml; `zero_stage` covers DeepSpeed only), DeepSpeed's bf16, DDP's start-up
 broadcast buffers, LoRA's small extras (its layers' rank-r activations, the score head's frozen original), the
 no-grad passes' layer temporaries (one layer of a rollout chunk at a time), the reward model's scoring pass (no
@@ -147,6 +156,7 @@ class Setting:
     gradient_checkpointing: bool = False
     processes: int = 1
     zero_stage: int = 0  # 0: DDP (or one process); 2: ZeRO-2; 3: ZeRO-3 as ppo_multinode.py runs it (partitioned)
+    gather_for_generation: bool = True  # ZeRO-3: policy and value model gathered whole for generation (the default)
     runtime_gb: float = 0.0  # CPU: measured (see `measure`); GPU: 0
     multinode: bool = False  # ppo_multinode.py: the reward model on the main process only
     rank: int = 0  # the process predicted: 0, the main one, holds the reward model
@@ -219,6 +229,7 @@ def predict(m, s):
         "activations": 2 * tokens * per_token,
         "logits": 4 * s.micro_batch_size * s.response_length * vocab + 8 * train_chunk * s.response_length * vocab,
         "rollout": 12 * rollout_chunk * s.response_length * vocab + kv_cache + (2 * vocab * h if bf16 else 0),
+        "gathered": 4 * (policy + value) if zero3 and s.gather_for_generation else 0,
         "zero3": 4 * ((1 if lora else 2) * largest + 1.9 * h * h) if zero3 else 0,
         "runtime": s.runtime_gb * GB,
     }
@@ -306,7 +317,8 @@ TABLE_SETTING = Setting(query_length=512, response_length=128, local_batch_size=
 def table(args):
     """docs/scale.md's table. The ZeRO-3 columns are ppo_multinode.py under configs/deepspeed_zero3.yaml on 8 processes:
     float32 (the config's mixed_precision 'no'), policy, value model and reference partitioned, the reward model whole
-    on the main process, whose peak is shown."""
+    on the main process, whose peak is shown; with policy and value model gathered whole for generation (the
+    default), and in brackets with --no-gather_for_generation."""
     layouts = [("full", 1, 0, 0, False), ("full + ckpt", 1, 0, 0, True), ("LoRA r16 + shared + ckpt", 1, 0, 16, True),
                ("full + ckpt, ZeRO-3 x 8 (fp32)", 8, 3, 0, True),
                ("LoRA r16 + ckpt, ZeRO-3 x 8 (fp32)", 8, 3, 16, True)]
@@ -317,12 +329,15 @@ def table(args):
     for model in ("llama-3.2-1b", "llama-2-7b", "llama-2-13b"):
         cells = []
         for name, processes, zero, lora_r, ckpt in layouts:
-            s = dataclasses.replace(TABLE_SETTING, processes=processes, zero_stage=zero, lora_r=lora_r,
-                                    gradient_checkpointing=ckpt, multinode=zero == 3,
-                                    precision="fp32" if zero == 3 else TABLE_SETTING.precision)
-            peak = predict(MODELS[model], s)["peak"] / GB
-            fits = [gpu for gpu in (24, 40, 80) if peak <= 0.9 * gpu]
-            cells.append(f"{peak:.0f} GB: " + (f"**{fits[0]} GB**" if fits else "none"))
+            cell = []
+            for gather in (True, False) if zero == 3 else (True,):
+                s = dataclasses.replace(TABLE_SETTING, processes=processes, zero_stage=zero, lora_r=lora_r,
+                                        gradient_checkpointing=ckpt, multinode=zero == 3, gather_for_generation=gather,
+                                        precision="fp32" if zero == 3 else TABLE_SETTING.precision)
+                peak = predict(MODELS[model], s)["peak"] / GB
+                fits = [gpu for gpu in (24, 40, 80) if peak <= 0.9 * gpu]
+                cell.append(f"{peak:.0f} GB: " + (f"**{fits[0]} GB**" if fits else "none"))
+            cells.append(cell[0] + (f" ({cell[1]})" if len(cell) > 1 else ""))
         print(f"| {model} | " + " | ".join(cells) + " |")
 
 
@@ -333,7 +348,8 @@ def plan(args):
                 local_rollout_forward_batch_size=args.local_rollout_forward_batch_size, precision=args.precision,
                 lora_r=args.lora_r, lora_share_backbones=not args.no_share,
                 gradient_checkpointing=args.gradient_checkpointing, processes=args.processes,
-                zero_stage=args.zero_stage, multinode=args.multinode, rank=args.rank, runtime_gb=args.runtime_gb)
+                zero_stage=args.zero_stage, multinode=args.multinode, rank=args.rank, runtime_gb=args.runtime_gb,
+                gather_for_generation=not args.no_gather)
     print(show(predict(m, s)))
 
 
@@ -419,6 +435,7 @@ if __name__ == "__main__":
         p.add_argument(f"--{name}", type=int, default=default)
     p.add_argument("--precision", default="bf16", choices=["bf16", "fp32"])
     p.add_argument("--no_share", action="store_true", help="LoRA without shared backbones")
+    p.add_argument("--no_gather", action="store_true", help="ZeRO-3 with --no-gather_for_generation")
     p.add_argument("--gradient_checkpointing", action="store_true")
     p.add_argument("--multinode", action="store_true", help="ppo_multinode.py: the reward model on the main process")
     p.add_argument("--rank", type=int, default=0, help="the process to predict (0: the main one)")
