@@ -502,11 +502,12 @@ def test_fsdp_equals_ddp(stage, tiny_model_dir, tmp_path):  # noqa: F811
 
 @pytest.mark.parametrize("stage", ["sft", "reward", "ppo_multinode", "ppo_multinode-fsdp2"])
 def test_fsdp_resume_equals_uninterrupted(stage, tiny_model_dir, tiny, tmp_path):  # noqa: F811
-    """Under FSDP (configs/fsdp.yaml, version 1, and for ppo_multinode.py configs/fsdp2.yaml, version 2; really
-    sharded: `launch_fsdp`) a checkpoint holds what accelerate's save_state writes for FSDP (the models and optimizer
+    """Under FSDP (configs/fsdp.yaml, version 1, and for ppo_multinode.py configs/fsdp2.yaml, version 2; really sharded:
+    `launch_fsdp`) a checkpoint holds what accelerate's save_state writes for FSDP (the models and optimizer
     states as the config's state-dict type says: whole files from the main process in version 1, one shard per
-    process in version 2; every process's random state): resuming from the checkpoint in the middle of a run (step 3 of 6 for sft.py and
-    reward.py, update 2 of 4 for ppo_multinode.py) ends where that run ended, and the resumed run did start there."""
+    process in version 2; every process's random state): resuming from the checkpoint in the middle of a run
+    (step 3 of 6 for sft.py and reward.py, update 2 of 4 for ppo_multinode.py) ends where that run ended, and the
+    resumed run did start there."""
     stage, config = stage.split("-") if "-" in stage else (stage, "fsdp")
     runs, log_dir = {}, str(tmp_path / "tb")
     for name in ("straight", "resumed"):
@@ -525,11 +526,12 @@ def test_fsdp_resume_equals_uninterrupted(stage, tiny_model_dir, tiny, tmp_path)
     files = sorted(os.listdir(checkpoint))
     if config == "fsdp":  # FULL_STATE_DICT: gathered on the main process, one file each
         assert {"pytorch_model_fsdp.bin", "optimizer.bin"} <= set(files), files
-    else:  # SHARDED_STATE_DICT: torch.distributed.checkpoint folders, one file per process, nothing whole
-        for folder in ("pytorch_model_fsdp_0", "optimizer_0"):
-            assert sorted(f for f in os.listdir(os.path.join(checkpoint, folder)) if f.endswith(".distcp")) == [
-                "__0_0.distcp", "__1_0.distcp"], (folder, files)
+    else:  # SHARDED_STATE_DICT: torch.distributed.checkpoint folders, each process's file about half, nothing whole
+        assert {"pytorch_model_fsdp_0", "optimizer_0"} <= set(files), files
         assert not any(f.endswith(".bin") for f in files), files
+        for folder in ("pytorch_model_fsdp_0", "optimizer_0"):
+            sizes = [os.path.getsize(os.path.join(checkpoint, folder, f"__{rank}_0.distcp")) for rank in (0, 1)]
+            assert min(sizes) > 0.3 * sum(sizes), (folder, sizes)
     final, resumed_steps = ({"model", "model/value_model"}, {3, 4}) if stage == "ppo_multinode" else ({""}, {4, 5, 6})
     assert_resumed_at(output, log_dir, "resumed", checkpoint)  # it did start after the checkpoint
     assert assert_same_scalars(log_dir, "straight", "resumed", resumed_steps, FSDP_ATOL) >= 3
