@@ -154,7 +154,7 @@ def test_ppo_main_reads_in_one_screenful_of_steps(script):
 
 
 def test_multinode_differs_from_ppo_only_by_scaling_out():
-    assert numbers()["diff ppo.py ppo_multinode.py: changed lines"] <= 210
+    assert numbers()["diff ppo.py ppo_multinode.py: changed lines"] <= 230
 
 
 def test_no_test_only_flags_in_the_scripts():

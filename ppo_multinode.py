@@ -982,18 +982,34 @@ def load_models(args, plugged_reward, tokenizer, accelerator):
 
 
 def shard_reference(accelerator, ref_policy, policy):
-    """The frozen reference, ready on the device. Under ZeRO-3 (and not the policy itself, `--lora_share_backbones`)
-    it is built partitioned and gets a DeepSpeed engine of its own without an optimizer, which gathers each layer's
-    weights as it runs (as TRL's `prepare_deepspeed` did): each process holds 1/N of it, not a whole copy."""
+    """The frozen reference, ready on the device; sharded as the policy is, unless it is the policy itself
+    (`--lora_share_backbones`), so that each process holds 1/N of its decoder layers, not a whole copy. ZeRO-3: it is
+    built partitioned and gets a DeepSpeed engine of its own without an optimizer, which gathers each layer's weights
+    as it runs (as TRL's `prepare_deepspeed` did). FSDP: each decoder layer a unit that gathers itself at each use,
+    as the config wraps the policy; the root unit (embeddings, final norm, head), used outside the wrapper's forward,
+    is gathered once and kept (`sharded_generation_context`, never left)."""
     plugin = accelerator.state.deepspeed_plugin
-    if plugin is None or plugin.zero_stage != 3 or ref_policy is policy:
+    zero3 = plugin is not None and plugin.zero_stage == 3
+    if ref_policy is policy or not (zero3 or accelerator.distributed_type == DistributedType.FSDP):
         return ref_policy.to(accelerator.device)
-    import copy
+    if zero3:
+        import copy
 
-    import deepspeed
+        import deepspeed
 
-    engine, *_ = deepspeed.initialize(model=ref_policy, config=copy.deepcopy(plugin.deepspeed_config))
-    return engine.module.eval()
+        engine, *_ = deepspeed.initialize(model=ref_policy, config=copy.deepcopy(plugin.deepspeed_config))
+        return engine.module.eval()
+    from accelerate.utils.fsdp_utils import fsdp2_prepare_model
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    fsdp = accelerator.state.fsdp_plugin
+    fsdp.set_auto_wrap_policy(ref_policy)
+    ref_policy = fsdp2_prepare_model(accelerator, ref_policy) if accelerator.is_fsdp2 else FullyShardedDataParallel(
+        ref_policy, sharding_strategy=fsdp.reshard_after_forward, auto_wrap_policy=fsdp.auto_wrap_policy,
+        mixed_precision=fsdp.mixed_precision_policy, use_orig_params=fsdp.use_orig_params, device_id=accelerator.device)
+    ref_policy.gathered_root = sharded_generation_context(accelerator, ref_policy)  # held: its collection would leave it
+    ref_policy.gathered_root.__enter__()
+    return ref_policy.eval()
 
 
 def make_model_reward(reward_model, reward_tokenizer, same_tokens, batch_size):

@@ -357,7 +357,9 @@ adapted here, in this process only (the scripts are unchanged):
       reused for the next state, and every saved `exp_avg` held the `exp_avg_sq` values (a resumed run then
       stepped differently). Offloading is turned off for it, so each state is cloned.
 To show that the model really is sharded, every `Accelerator.prepare` records, per process, the type of each prepared
-model and its local and whole parameter counts in $FSDP_REPORT_DIR/rank<r>.json.
+model and its local and whole parameter counts in $FSDP_REPORT_DIR/rank<r>.json; so does ppo_multinode.py's
+`shard_reference` for the reference it returns (when it is not the policy), counting its decoder layers only (the
+root unit is gathered for good there).
 """
 import contextlib
 import importlib.util
@@ -406,17 +408,31 @@ original_prepare = Accelerator.prepare
 report = []
 
 
+def record(accelerator, model, whole, parameters):
+    """One report row: `model`'s type, and the local and `whole` numbers of `parameters` (a list, read now)."""
+    report.append({"fsdp": isinstance(model, (FullyShardedDataParallel, FSDPModule)), "whole": whole,
+                   "local": sum(getattr(p, "to_local", lambda p=p: p)().numel() for p in parameters),
+                   "distributed_type": accelerator.distributed_type.name, "processes": accelerator.num_processes})
+    with open(os.path.join(os.environ["FSDP_REPORT_DIR"], f"rank{accelerator.process_index}.json"), "w") as f:
+        json.dump(report, f)
+
+
 def prepare(self, *objects, **kwargs):
     whole = [sum(p.numel() for p in o.parameters()) if isinstance(o, torch.nn.Module) else None for o in objects]
     prepared = original_prepare(self, *objects, **kwargs)
     for o, n in zip(prepared if isinstance(prepared, (tuple, list)) else (prepared,), whole):
         if n is not None:  # version 1 wraps the model, version 2 (fully_shard) turns its parameters into DTensors
-            report.append({"fsdp": isinstance(o, (FullyShardedDataParallel, FSDPModule)), "whole": n,
-                           "local": sum(getattr(p, "to_local", lambda p=p: p)().numel() for p in o.parameters()),
-                           "distributed_type": self.distributed_type.name, "processes": self.num_processes})
-    with open(os.path.join(os.environ["FSDP_REPORT_DIR"], f"rank{self.process_index}.json"), "w") as f:
-        json.dump(report, f)
+            record(self, o, n, list(o.parameters()))
     return prepared
+
+
+def shard_reference(accelerator, ref_policy, policy):
+    layers = lambda model: [p for name, p in model.named_parameters() if ".layers." in name]  # noqa: E731
+    whole = sum(p.numel() for p in layers(ref_policy))
+    sharded = original_shard_reference(accelerator, ref_policy, policy)
+    if sharded is not policy:
+        record(accelerator, sharded, whole, layers(sharded))
+    return sharded
 
 
 AcceleratorState.__init__ = init
@@ -426,6 +442,8 @@ script, sys.argv = sys.argv[1], sys.argv[1:]
 spec = importlib.util.spec_from_file_location(os.path.basename(script).removesuffix(".py"), script)
 module = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(module)
+if hasattr(module, "shard_reference"):  # ppo_multinode.py
+    original_shard_reference, module.shard_reference = module.shard_reference, shard_reference
 module.run_as_command(module.main, tyro.cli(module.Args))
 '''
 
