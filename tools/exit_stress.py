@@ -8,7 +8,7 @@ A finished run must exit 0 on every process: a cluster marks a job that exits ot
 script that trusts the status reruns a finished run. This script checks it the blunt way. Each launch is a short run
 (a few steps or updates) of the tiny random model the tests use, on 2 CPU processes (gloo), under DDP, DeepSpeed
 ZeRO-2, ZeRO-3 or FSDP (versions 1 and 2) where the script supports it; FSDP goes through the tests' FSDP_ON_CPU
-driver (sharded_test.py), since accelerate does not set FSDP up without a GPU. Every launch must exit 0 and say
+driver (tests/sharded_test.py), since accelerate does not set FSDP up without a GPU. Every launch must exit 0 and say
 that it saved its model; the table prints, per config, the launches, the non-zero exits and the last line each
 failed launch printed. `--core_dumps DIR` runs every launch in a folder of its own under DIR with core files on, so
 that an abort leaves a core to read with gdb (`gdb python3 DIR/<launch>/core`, then `thread apply all bt`).
@@ -28,6 +28,7 @@ import time
 
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.join(HERE, "tests"))
 
 from sharded_test import FSDP_ON_CPU  # noqa: E402  (the tests' FSDP-on-CPU driver)
 from utils_test import build_tiny_model  # noqa: E402

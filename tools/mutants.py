@@ -2,7 +2,7 @@
 to guard that guarantee fails.
 
     python tools/mutants.py                      # every mutant, then the markdown table (docs/testing.md)
-    python tools/mutants.py --fast               # the few whose tests take seconds (CI runs these: mutation_test.py)
+    python tools/mutants.py --fast               # the few whose tests take seconds (CI runs these: tests/ci_test.py)
     python tools/mutants.py --only kl-sign-flipped score-on-padding-slot
     python tools/mutants.py --list               # the mutants and their tests; checks that every one still applies
     python tools/mutants.py --json results.json  # the results as JSON too
@@ -46,17 +46,17 @@ class Mutant:
     bug: str  # the guarantee it breaks, in a few words (docs/testing.md's table shows it)
     edits: list  # [(old, new), ...]: each `old` must occur exactly once in `file`
     test: str  # the pytest node id that must fail
-    fast: bool = False  # its test takes seconds: CI runs it (mutation_test.py)
+    fast: bool = False  # its test takes seconds: CI runs it (tests/ci_test.py)
 
 
 U = "utils_test.py::"
-R = "resume_test.py::"
-F = "fault_test.py::"
-S = "sharded_test.py::"
-M = "multinode_test.py::"
-L = "lora_test.py::"
-Y = "memory_test.py::"
-C = "chat_test.py::"
+R = "tests/resume_test.py::"
+F = "tests/fault_test.py::"
+S = "tests/sharded_test.py::"
+M = "tests/multinode_test.py::"
+L = "tests/lora_test.py::"
+Y = "tests/memory_test.py::"
+C = "tests/chat_test.py::"
 
 MUTANTS = [
     # --- resuming and signals ------------------------------------------------------------------------------------
@@ -230,11 +230,11 @@ MUTANTS = [
     Mutant("distinct-over-responses", "ppo.py", "distinct-n divided by the responses, not by the n-grams",
            [('"eval/distinct_1": len(counts[0]) / max(counts[0].total(), 1)',
              '"eval/distinct_1": len(counts[0]) / max(len(words), 1)')],
-           "gold_test.py::test_diversity_by_hand[ppo]", fast=True),
+           "tests/gold_test.py::test_diversity_by_hand[ppo]", fast=True),
     Mutant("judge-reads-the-prompt", "imdb_gold_reward.py", "the gold judge scores prompt + response, not the response",
            [("    return log_odds(JUDGE, list(outputs)).tolist()",
              "    return log_odds(JUDGE, list(samples)).tolist()")],
-           "gold_test.py::test_the_judge_learns_sentiment_and_reports_held_out_accuracy"),
+           "tests/gold_test.py::test_the_judge_learns_sentiment_and_reports_held_out_accuracy"),
     # --- several processes: one reward call, statistics over all samples --------------------------------------------
     Mutant("scores-scattered-wrong", "ppo_multinode.py", "every process receives the first process's scores",
            [("per_process[rank], offset = scores[offset : offset + len(part[0])], offset + len(part[0])",
@@ -355,7 +355,7 @@ MUTANTS = [
     Mutant("help-ragged", "reward.py", "`--help` breaks each flag's help where the docstring's source lines break",
            [('            field.metadata = {**field.metadata, "help": " ".join(param.description.split())}',
              "            pass")],
-           "layout_test.py::test_help_gives_each_flag_its_docstring_as_one_line[reward.py]", fast=True),
+           "tests/layout_test.py::test_help_gives_each_flag_its_docstring_as_one_line[reward.py]", fast=True),
 ]
 
 

@@ -1,7 +1,7 @@
 """The reading layout of the four scripts, checked: the algorithm first, the shared plumbing last.
 
-    python -m pytest layout_test.py     # a second; no models
-    python layout_test.py               # prints the numbers behind each check (README, "How a script reads")
+    python -m pytest tests/layout_test.py     # a second; no models
+    python tests/layout_test.py               # prints the numbers behind each check (README, "How a script reads")
 
 Every script reads: docstring, imports, `Args`, the helpers that compute the stage's update and its evaluation in
 the order `main` first mentions them, `main`, one banner, the stage's own set-up and checks (PPO_OWN_PLUMBING; none
@@ -16,7 +16,7 @@ import re
 
 import pytest
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository root
 SCRIPTS = ["sft.py", "reward.py", "ppo.py", "ppo_multinode.py"]
 BANNER = "# Plumbing:"
 SHARED = "# --- shared plumbing:"

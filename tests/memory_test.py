@@ -1,6 +1,6 @@
 """Memory that scales, tested on a tiny random model on the CPU. No network.
 
-    python -m pytest memory_test.py
+    python -m pytest tests/memory_test.py
 
 - every role's parameters are in the dtype they should be: under bf16 the frozen linear layers (the reference, the
   reward model, a LoRA base) in bf16, the heads, embeddings and norms in float32, everything that trains in float32;
@@ -21,7 +21,7 @@ import types
 import pytest
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the scripts, utils_test.py
 import ppo  # noqa: E402
 import ppo_multinode  # noqa: E402
 from lora_test import tiny_rm_dir, token_batch  # noqa: E402,F401  (tiny_rm_dir: a pytest fixture)

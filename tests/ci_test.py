@@ -1,7 +1,7 @@
 """What CI itself relies on, checked: the mutation list still fits the code, the fast mutants are caught, the GPU
 benchmark runs in its CPU smoke mode, and a missing package fails CI instead of skipping.
 
-    python -m pytest ci_test.py     # a few minutes on 2 CPU cores (the fast mutants, the GPU benchmark's smoke mode)
+    python -m pytest tests/ci_test.py  # a few minutes on 2 CPU cores (the fast mutants, the GPU benchmark's smoke mode)
 
 The whole mutation table (every mutant, docs/testing.md) takes far longer: `python tools/mutants.py`.
 """
@@ -12,7 +12,7 @@ import shutil
 import subprocess
 import sys
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository root
 
 
 def test_every_mutant_still_applies():

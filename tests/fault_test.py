@@ -1,7 +1,7 @@
 """Nothing lost, nothing silent: output folders, pre-emption signals, wrong reward models, divergence, full and
 read-only disks, and one-line errors, tested on real processes, real signals and real files with a tiny model.
 
-    pytest fault_test.py          # a few minutes on 2 CPU cores
+    pytest tests/fault_test.py          # a few minutes on 2 CPU cores
 
 Disks: a read-only and a small (full) file system are real tmpfs mounts where the test may mount (root on Linux);
 elsewhere those two tests are skipped. After every failure the earlier output and checkpoints are compared with

@@ -1,6 +1,6 @@
 """Resume, world-size invariance and bad input, tested on real processes with a tiny random model.
 
-    python -m pytest resume_test.py
+    python -m pytest tests/resume_test.py
 
 - a run SIGKILLed after a checkpoint and resumed with `--resume_from latest` ends with the same parameters and logs
   the same metrics as a run never stopped (sft.py, reward.py, ppo.py), and provably resumed: it started at the
@@ -25,7 +25,7 @@ from safetensors.torch import load_file
 
 from utils_test import tiny_model_dir  # noqa: F401  (pytest fixture)
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository root
 TIMEOUT = 600
 
 

@@ -1,6 +1,6 @@
 """DeepSpeed ZeRO and FSDP on the CPU: the same run as DDP, metric for metric and weight for weight.
 
-    python -m pytest sharded_test.py        # the DeepSpeed tests need `pip install deepspeed` (skipped without it)
+    python -m pytest tests/sharded_test.py  # the DeepSpeed tests need `pip install deepspeed` (skipped without it)
 
 Most tests run a script twice on 2 CPU processes with a tiny random model: once under DDP (`--multi_gpu`, gloo) and
 once under a DeepSpeed or FSDP config from `configs/`, with the same flags. The two runs must log the same
@@ -46,7 +46,7 @@ from resume_test import assert_resumed_at, scalars, stage_command, tiny_rm_dir  
 from multinode_test import parameter_checksum, ppo_multinode, run_args, tiny  # noqa: F401  (tiny: a pytest fixture)
 from utils_test import tiny_model_dir  # noqa: F401  (pytest fixture)
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository root
 TIMEOUT = 300
 ATOL = 1e-5
 FSDP_ATOL = 1e-6  # FSDP steps the same per-parameter AdamW on the local shards: only reduction order differs
@@ -244,7 +244,7 @@ def test_ppo_multinode_equals_ddp(config, lora_r, tiny, tmp_path):  # noqa: F811
         args = run_args(tiny, tmp_path / name, run_name=name, log_dir=tmp_path / "tb", **hard)
         # The sharded run goes through multinode_test.py's `record` driver: ppo_multinode.py with its training
         # step wrapped by a checksum of the whole weights before and after (no test-only flag in the script).
-        script = ["ppo_multinode.py"] if name == "ddp" else ["multinode_test.py", "record", str(dump)]
+        script = ["ppo_multinode.py"] if name == "ddp" else ["tests/multinode_test.py", "record", str(dump)]
         cmd = ["python", *script, *[f"--{k}={v}" for k, v in args.items()]]
         if name == "ddp":
             norms = launch_ddp(cmd, name, tmp_path)

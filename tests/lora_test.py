@@ -1,6 +1,6 @@
 """LoRA (peft) and gradient checkpointing in the four scripts, tested on a tiny random model. No network.
 
-    python -m pytest lora_test.py
+    python -m pytest tests/lora_test.py
 
 - the adapters start as the model (B = 0), drawn from --seed whatever the process's random state, with no dropout;
 - `adapters_off` gives exactly the model the adapters were added to: the policy becomes the SFT model (the PPO
@@ -21,7 +21,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the scripts, utils_test.py
 import ppo  # noqa: E402
 import reward  # noqa: E402
 import sft  # noqa: E402
@@ -282,8 +282,8 @@ def test_the_memory_planner_counts_what_the_models_hold(tiny_model_dir, tiny_rm_
 
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
-    spec = importlib.util.spec_from_file_location("memory", os.path.join(os.path.dirname(__file__), "benchmarks",
-                                                                         "memory.py"))
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository root
+    spec = importlib.util.spec_from_file_location("memory", os.path.join(here, "benchmarks", "memory.py"))
     memory = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(memory)
     policy = ppo.load_model(tiny_model_dir, AutoModelForCausalLM)

