@@ -985,9 +985,10 @@ def shard_reference(accelerator, ref_policy, policy):
     """The frozen reference, ready on the device; sharded as the policy is, unless it is the policy itself
     (`--lora_share_backbones`), so that each process holds 1/N of its decoder layers, not a whole copy. ZeRO-3: it is
     built partitioned and gets a DeepSpeed engine of its own without an optimizer, which gathers each layer's weights
-    as it runs (as TRL's `prepare_deepspeed` did). FSDP: each decoder layer a unit that gathers itself at each use,
-    as the config wraps the policy; the root unit (embeddings, final norm, head), used outside the wrapper's forward,
-    is gathered once and kept (`sharded_generation_context`, never left)."""
+    as it runs (as TRL's `prepare_deepspeed` did). FSDP: wrapped as accelerate wraps the policy, each decoder layer a
+    unit that gathers itself at each use (version 2 also gives the embeddings and the final norm + head units of
+    their own); the root unit, used outside the wrapper's forward, is gathered once and kept
+    (`sharded_generation_context`, never left: in version 1 it holds the embeddings, final norm and head)."""
     plugin = accelerator.state.deepspeed_plugin
     zero3 = plugin is not None and plugin.zero_stage == 3
     if ref_policy is policy or not (zero3 or accelerator.distributed_type == DistributedType.FSDP):
@@ -1005,9 +1006,10 @@ def shard_reference(accelerator, ref_policy, policy):
     fsdp = accelerator.state.fsdp_plugin
     fsdp.set_auto_wrap_policy(ref_policy)
     ref_policy = fsdp2_prepare_model(accelerator, ref_policy) if accelerator.is_fsdp2 else FullyShardedDataParallel(
-        ref_policy, sharding_strategy=fsdp.reshard_after_forward, auto_wrap_policy=fsdp.auto_wrap_policy,
-        mixed_precision=fsdp.mixed_precision_policy, use_orig_params=fsdp.use_orig_params, device_id=accelerator.device)
-    ref_policy.gathered_root = sharded_generation_context(accelerator, ref_policy)  # held: collected, it would exit
+        ref_policy, sharding_strategy=fsdp.sharding_strategy or fsdp.reshard_after_forward,
+        cpu_offload=fsdp.cpu_offload, auto_wrap_policy=fsdp.auto_wrap_policy, use_orig_params=fsdp.use_orig_params,
+        mixed_precision=fsdp.mixed_precision_policy, device_id=accelerator.device)
+    ref_policy.gathered_root = sharded_generation_context(accelerator, ref_policy)  # held: v1's exits if collected
     ref_policy.gathered_root.__enter__()
     return ref_policy.eval()
 

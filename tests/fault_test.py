@@ -465,6 +465,11 @@ def bad_inputs(model_dir, rm_dir, tmp_path):
     ]
 
 
+# `--reward_fn fault_test:...` runs import this file: tests/ on their path (the scripts add only the working folder).
+TESTS_ON_PATH = {"PYTHONPATH": os.pathsep.join(filter(None, [os.path.dirname(os.path.abspath(__file__)),
+                                                             os.environ.get("PYTHONPATH")]))}
+
+
 def text_reward(samples, prompts, outputs, **kwargs):
     """A broken plug-in reward: strings instead of floats."""
     return ["good"] * len(samples)
@@ -482,7 +487,7 @@ def test_a_reward_that_raises_on_the_main_process_stops_every_process_naming_it(
                         "--sft_model_path", tiny_model_dir, "--reward_fn", "fault_test:raising_reward",
                         "--total_episodes", "8", "--batch_size", "8", "--query_length", "8", "--response_length", "4",
                         "--eval_prompts", "4", "--output_dir", str(tmp_path / "out"), "--log_dir", str(tmp_path / "tb")]
-    proc = run(cmd, env={"ACCELERATE_USE_CPU": "true"}, check=False)
+    proc = run(cmd, env={"ACCELERATE_USE_CPU": "true", **TESTS_ON_PATH}, check=False)
     assert proc.returncode != 0
     assert "KeyError: 'no such label'" in proc.stdout, proc.stdout[-3000:]  # the main process's own traceback
     # the other process's one line (the two processes share the stream: the line may not start a line)
@@ -493,7 +498,7 @@ def test_a_reward_that_raises_on_the_main_process_stops_every_process_naming_it(
 def test_bad_input_gives_one_clear_error(tiny_model_dir, tiny_rm_dir, tmp_path):  # noqa: F811
     for name, cmd, message in bad_inputs(tiny_model_dir, tiny_rm_dir, tmp_path):
         out = str(tmp_path / "out")
-        proc = run(cmd + ["--output_dir", out, "--log_dir", str(tmp_path / "tb")], check=False)
+        proc = run(cmd + ["--output_dir", out, "--log_dir", str(tmp_path / "tb")], env=TESTS_ON_PATH, check=False)
         assert_one_line_error(proc, message, name)
         assert not os.path.exists(out) and not os.path.exists(out + ".tmp"), name
 
