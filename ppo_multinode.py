@@ -13,6 +13,7 @@ Run it (docs/scale.md: several nodes, FSDP, hostfiles, NCCL, and which runs are 
     ACCELERATE_USE_CPU=true accelerate launch --multi_gpu --num_processes 2 ppo_multinode.py   # 2 CPU processes
     accelerate launch --multi_gpu --num_processes 7 ppo_multinode.py --reward_device cuda:7  # reward model: GPU 7
     accelerate launch --config_file configs/deepspeed_zero3.yaml ppo_multinode.py   # 8 GPUs, ZeRO-3
+    accelerate launch --config_file configs/fsdp2.yaml ppo_multinode.py   # 8 GPUs, FSDP version 2, sharded checkpoints
 
 One update:
   (1) rollout   each process samples responses to a batch of prompts (queries) from the policy
