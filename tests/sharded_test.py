@@ -451,9 +451,9 @@ module.run_as_command(module.main, tyro.cli(module.Args))
 def launch_fsdp(args, run_name, tmp_path, config="fsdp", env_extra=None):
     """`launch_two` under configs/fsdp.yaml (or `config`), the variables `env_extra` added, through the FSDP_ON_CPU
     driver (see its docstring for the five adaptations of accelerate and PyTorch, in the test's processes only).
-    Checks that every model `prepare`
-    returned on each of the 2 processes is FSDP-wrapped and holds about half of its parameters, the other half on the
-    other process."""
+    Checks that every model `prepare` returned on each of the 2 processes, and ppo_multinode.py's reference as
+    `shard_reference` returned it (its decoder layers), is FSDP-wrapped and holds about half of its parameters, the
+    other half on the other process."""
     driver = tmp_path / "fsdp_on_cpu.py"
     driver.write_text(FSDP_ON_CPU)
     report_dir = tmp_path / f"fsdp_report_{run_name}"
