@@ -58,8 +58,8 @@ import tyro
 from accelerate import Accelerator, PartialState
 from accelerate.logging import get_logger
 from accelerate.state import AcceleratorState
-from accelerate.utils import (DistributedDataParallelKwargs, DistributedType, InitProcessGroupKwargs,
-                               broadcast_object_list, gather_object, parse_flag_from_env, set_seed)
+from accelerate.utils import (DistributedDataParallelKwargs, DistributedType, InitProcessGroupKwargs, set_seed,
+                               GradientAccumulationPlugin, broadcast_object_list, gather_object, parse_flag_from_env)
 from safetensors import SafetensorError
 from tqdm.auto import tqdm
 from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer,
@@ -81,7 +81,7 @@ class Args:
     reward_fn: str = "model"
     """`model`: the reward model's score; `module:function`: your function of text (imdb_rule_reward:positive_words)."""
     reward_batch_size: int = 32
-    """Samples per reward-model forward pass (memory only)."""
+    """Samples per reward-model forward pass (memory; float rounding may differ)."""
     value_model_path: Optional[str] = None
     """Initial value model. None: the reward model when `--reward_fn model` and it shares the policy's tokenizer;
     otherwise the SFT model with a fresh scalar head (the value model reads the policy's tokens)."""
@@ -94,7 +94,7 @@ class Args:
     """Replace a non-empty `output_dir` that is not an earlier ppo output (without it such a folder is refused)."""
     # --- rollout ---
     query_length: int = 24
-    """Query tokens; prompts are left-padded to it, longer ones keep their last tokens (a warning counts them)."""
+    """Query tokens: prompts are left-padded to it, longer ones cut to their last tokens (warned for training ones)."""
     response_length: int = 32
     """Most tokens sampled per response."""
     temperature: float = 0.7
@@ -117,7 +117,7 @@ class Args:
     """Microbatches per minibatch and process, gradients summed before the step. With one minibatch only memory
     changes (and float rounding); with more, it also changes which rollouts share a minibatch (`ppo_epochs`)."""
     total_episodes: int = 480
-    """Rollouts in the whole run, all processes: 480 = 15 updates; SFFD's TL;DR: 1M."""
+    """Rollouts in the whole run, all processes, rounded down to whole updates: 480 = 15 updates; SFFD's TL;DR: 1M."""
     ppo_epochs: int = 2
     """Passes over each batch of rollouts (SFFD: noptepochs; TRL: num_ppo_epochs)."""
     learning_rate: float = 2e-5
@@ -147,7 +147,7 @@ class Args:
     score_clip: Optional[float] = None
     """If set, scores are clipped to [-score_clip, score_clip] before they enter the reward."""
     local_rollout_forward_batch_size: int = 32
-    """Rows per forward pass when computing logprobs, ref_logprobs and values (memory only)."""
+    """Rows per forward pass when computing logprobs, ref_logprobs and values (memory; float rounding may differ)."""
     max_approxkl: Optional[float] = 1.0
     """Stop the run (nothing of that update saved) when an update's mean approxkl (k2) exceeds this, nats per token:
     it catches a blow-up that stays finite (far too high a learning rate), which no NaN check sees. None: no check."""
@@ -311,8 +311,8 @@ def prompt_indices(update, num_prompts, batch_size, seed, process_index, num_pro
 @torch.no_grad()
 def rollout(policy, query_ids, query_mask, args, stop_token_id, pad_token_id):
     """Sample one response per query: (B, T) long, T = response_length (shorter if all rows stopped early, then
-    padded back to T). Plain sampling at `temperature`, top_k 0, top_p 1 and nothing else (`generate_with`), so the
-    sampling distribution is exactly softmax(logits / temperature), the one the logprobs are computed with."""
+    padded back to T). Plain sampling at `temperature`, top_k 0, top_p 1 and nothing else (`generate_with`): softmax(
+    logits / temperature), the logprobs' form (under bf16 from the autocast head's logits, theirs from float32's)."""
     sampling = GenerationConfig(max_new_tokens=args.response_length, do_sample=True, temperature=args.temperature,
                                 top_k=0, top_p=1.0, eos_token_id=stop_token_id, pad_token_id=pad_token_id)
     out = generate_with(policy, sampling, input_ids=query_ids, attention_mask=query_mask)
@@ -462,7 +462,7 @@ def ppo_epochs(accelerator, model, optimizer, scheduler, rollouts, args, update)
             n_tokens = accelerator.reduce(sum(rollouts["mask"][idx].sum() for idx in microbatches), reduction="sum")
             for u, idx in enumerate(microbatches):
                 mb_data = {k: v[idx] for k, v in rollouts.items()}
-                with accelerator.accumulate(model):  # no all-reduce, no optimizer step until the U-th microbatch
+                with accelerator.accumulate(model):  # no step (DDP: no all-reduce) before the U-th microbatch
                     new_logprobs, entropy, new_values = model(
                         mb_data["query_responses"], mb_data["attention_mask"], args.query_length, args.temperature)
                     pg_loss, vf_loss, mb_stats = ppo_losses(
@@ -725,6 +725,8 @@ def derive_sizes(args, num_processes):
                  "ppo_epochs", "eval_every", "local_rollout_forward_batch_size", "reward_batch_size"):
         if getattr(args, flag) < 1:
             raise ValueError(f"--{flag} must be at least 1 (got {getattr(args, flag)}).")
+    if not args.learning_rate >= 0:
+        raise ValueError(f"--learning_rate must be >= 0 (got {args.learning_rate}).")
     if not args.temperature > 0:
         raise ValueError(f"--temperature must be > 0 (got {args.temperature}): logprobs are log_softmax(logits / "
                          "temperature); for nearly greedy sampling use a small value such as 0.05.")
@@ -1383,6 +1385,8 @@ def load_splits(dataset_name, stage, tokenizer):
             return row
 
         train, held_out = train.map(add_prompt), held_out.map(add_prompt)
+    logger.info(f"dataset {dataset_name!r}: {len(train)} rows to train on, {len(held_out)} held out (" + (
+        "its test split)" if "test" in table else "every 5th row)"), main_process_only=True)
     return train, held_out
 
 
@@ -1505,9 +1509,12 @@ def make_accelerator(args):
     made first, with the timeout: `choose_precision` asks for the device, which would otherwise make it without."""
     handler = process_group_kwargs(args.dist_timeout_s)
     PartialState(parse_flag_from_env("ACCELERATE_USE_CPU"), **handler.to_kwargs())  # as Accelerator would make it
-    # DDP: gradients are views into its all-reduce buckets, not a second copy of them.
+    # DDP: gradients are views into its all-reduce buckets, not a second copy of them. FSDP: reduce-scattered at every
+    # microbatch, so a process accumulates its shard only (in accelerate's no_sync FSDP keeps every whole gradient).
+    fsdp = os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
     accelerator = Accelerator(log_with="tensorboard", project_dir=args.log_dir,
-                              gradient_accumulation_steps=args.gradient_accumulation_steps,
+                              gradient_accumulation_plugin=GradientAccumulationPlugin(
+                                  num_steps=args.gradient_accumulation_steps, sync_each_batch=fsdp),
                               mixed_precision=choose_precision(args.mixed_precision),
                               kwargs_handlers=[handler, DistributedDataParallelKwargs(gradient_as_bucket_view=True)])
     logger.info(f"mixed precision: {accelerator.mixed_precision} (--mixed_precision {args.mixed_precision})",
@@ -1525,7 +1532,7 @@ def make_accelerator(args):
 def choose_precision(choice):
     """`--mixed_precision` resolved to one of accelerate's `no`, `bf16`, `fp16`; raises ValueError on another value.
     `auto`: the launcher's choice when `accelerate launch` set one (ACCELERATE_MIXED_PRECISION; with no flag and no
-    config it sets `no`), else bf16 on a CUDA device that supports it or a CPU whose flags (/proc/cpuinfo) include
+    config it sets `no`), else bf16 on a CUDA device that has it natively or a CPU whose flags (/proc/cpuinfo) include
     avx512_bf16 or amx_bf16, else `no`."""
     if choice not in ("auto", "no", "bf16", "fp16"):
         raise ValueError(f"--mixed_precision {choice!r}: use auto, no, bf16 or fp16.")
@@ -1537,7 +1544,7 @@ def choose_precision(choice):
             raise ValueError(f"accelerate launch --mixed_precision {launcher!r}: the scripts run no, bf16 or fp16.")
         return launcher
     if PartialState().device.type == "cuda":  # the device this run uses (a CPU run on a GPU host is a CPU run)
-        return "bf16" if torch.cuda.is_bf16_supported() else "no"
+        return "bf16" if torch.cuda.is_bf16_supported(including_emulation=False) else "no"  # CUDA: Ampere on; ROCm: any
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as f:
             flags = set(f.read().split())

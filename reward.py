@@ -18,7 +18,7 @@ reward model learns to score positive sentiment, not fit to the prompt.
 
 Run it (after `python sft.py`: its output folder is this script's default model):
     python reward.py                                # CPU, default offline config (SmolLM2-135M, IMDB)
-    accelerate launch reward.py                     # 1 GPU, or whatever `accelerate config` says
+    accelerate launch reward.py                     # all GPUs if no config file, else what it says
     accelerate launch --config_file configs/multi_gpu.yaml reward.py          # 8 GPUs, DDP
     accelerate launch --config_file configs/deepspeed_zero2.yaml reward.py    # 8 GPUs, ZeRO-2
     accelerate launch --config_file configs/deepspeed_zero3.yaml reward.py    # 8 GPUs, ZeRO-3
@@ -67,8 +67,8 @@ from accelerate import Accelerator, PartialState
 from accelerate.logging import get_logger
 from accelerate.state import AcceleratorState
 from accelerate.utils import (DistributedDataParallelKwargs, DistributedType, GatheredParameters,
-                               InitProcessGroupKwargs, broadcast_object_list, gather_object, parse_flag_from_env,
-                               set_seed)
+                               GradientAccumulationPlugin, InitProcessGroupKwargs, broadcast_object_list, gather_object,
+                               parse_flag_from_env, set_seed)
 from safetensors import SafetensorError
 from tqdm.auto import tqdm
 from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer,
@@ -87,7 +87,7 @@ class Args:
     head is dropped and a fresh scalar `score` head is put on top of its last hidden state."""
     dataset_name: str = "imdb"
     """`imdb` (built-in IMDB preference pairs), a hub id, or a local json/jsonl(.gz)/csv/parquet file with
-    `prompt`+`chosen`+`rejected` columns, or only `chosen`+`rejected` whole dialogues (what they share is the prompt),
+    `prompt`+`chosen`+`rejected` columns, or only `chosen`+`rejected` whole dialogues (the prompt: their shared turns),
     text or conversations (docs/data.md)."""
     output_dir: str = "runs/imdb/reward"
     """Where the trained reward model and tokenizer are saved (`save_pretrained`); `ppo.py` reads it."""
@@ -113,7 +113,7 @@ class Args:
     README's table (80 steps did no better in an earlier float32 run). InstructGPT trains its RM for one epoch at most:
     more overfits."""
     warmup_ratio: float = 0.1
-    """Fraction of `max_steps` with linear warm-up; the rest decays linearly to 0."""
+    """Fraction (0-1) of `max_steps` warming up linearly from 0 (if > 0, step 1 has rate 0); then linear decay to 0."""
     weight_decay: float = 0.0
     """AdamW weight decay (0, as is usual for short fine-tuning)."""
     max_grad_norm: float = 1.0
@@ -141,7 +141,7 @@ class Args:
     """Optimizer steps between held-out evaluations (also run at the start of a fresh run and at the end)."""
     eval_samples: int = 256
     """Held-out pairs used for accuracy, loss and the reward bias (a fixed prefix of the held-out split). 256 give
-    the accuracy to about +-0.03 (IMDB holds each pair twice, after either review's prompt)."""
+    the accuracy to about +-0.03, one standard error (IMDB holds each pair twice, after either review's prompt)."""
     num_table_examples: int = 4
     """Held-out pairs written to tensorboard, with their scores, at each evaluation."""
     seed: int = 1
@@ -160,7 +160,7 @@ class Args:
     base's linear layers; trained weights, optimizer state, scores and the loss stay float32 (under DeepSpeed and
     FSDP bf16 is the engine's own: docs/implementation.md). `auto`: `accelerate launch`'s setting (its
     --mixed_precision or config file; `no` with neither), else (plain `python`) bf16 where the hardware multiplies in
-    bf16 natively (CUDA, AVX512-BF16/AMX CPUs), else `no`; logged."""
+    bf16 natively (CUDA GPUs from Ampere on, AVX512-BF16/AMX CPUs), else `no`; logged."""
     dist_timeout_s: int = 900
     """Seconds a process waits in a collective before giving up, so one failed process cannot hang the others."""
     log_dir: str = "runs/tensorboard"
@@ -284,9 +284,9 @@ def step_indices(step, num_rows, per_device_batch_size, accumulation_steps, proc
     """Row indices of this process's microbatches for optimizer step `step` (0-based): `accumulation_steps` lists
     of `per_device_batch_size` ints.
 
-    Epoch e is a permutation of the rows seeded by `seed + e`; step s takes the s-th global batch of
-    `per_device_batch_size * accumulation_steps * num_processes` rows of it (rows left over at an epoch's end are
-    skipped) and cuts it into one microbatch per (process, accumulation slot), process-major. Which rows share a
+    Epoch e is a permutation of the rows seeded by `seed + e`; step s takes global batch s % n of epoch s // n (n: the
+    epoch's whole batches of `per_device_batch_size * accumulation_steps * num_processes` rows; the rest is skipped)
+    and cuts it into one microbatch per (process, accumulation slot), process-major. Which rows share a
     microbatch then depends only on the step, not on how the global batch is spread over processes and
     accumulation (1 process x accumulation k equals k processes x accumulation 1), and a resumed run picks up the
     same order without any saved data-loader state.
@@ -370,6 +370,9 @@ def main(args: Args):
     for flag in ("max_steps", "per_device_train_batch_size", "gradient_accumulation_steps", "eval_every"):
         if getattr(args, flag) < 1:
             raise ValueError(f"--{flag} must be at least 1 (got {getattr(args, flag)}).")
+    if not (args.learning_rate >= 0 and 0 <= args.warmup_ratio <= 1):
+        raise ValueError(f"need --learning_rate >= 0 (got {args.learning_rate}) and 0 <= --warmup_ratio <= 1 (got "
+                         f"{args.warmup_ratio}).")
     checkpoint_dir = args.checkpoint_dir or args.output_dir.rstrip("/") + "-checkpoints"
     prepare_run_dirs(accelerator, "reward", args.output_dir, checkpoint_dir, args.log_dir,
                      {"the model (--model_name_or_path)": args.model_name_or_path,
@@ -409,7 +412,7 @@ def main(args: Args):
     scheduler = get_scheduler("linear", optimizer, num_warmup_steps=math.ceil(args.warmup_ratio * args.max_steps),
                               num_training_steps=args.max_steps)
     # The scheduler is stepped by hand once per optimizer step, so it is not prepared (accelerate would step it
-    # once per process); it is registered so that checkpoints hold it.
+    # num_processes times a call); it is registered so that checkpoints hold it.
     fit_deepspeed_config(accelerator, args.per_device_train_batch_size, U, args.max_grad_norm, model.config.hidden_size)
     reward_model, optimizer = accelerator.prepare(reward_model, optimizer)
     accelerator.register_for_checkpointing(scheduler)
@@ -853,6 +856,8 @@ def load_splits(dataset_name, stage, tokenizer):
             return row
 
         train, held_out = train.map(add_prompt), held_out.map(add_prompt)
+    logger.info(f"dataset {dataset_name!r}: {len(train)} rows to train on, {len(held_out)} held out (" + (
+        "its test split)" if "test" in table else "every 5th row)"), main_process_only=True)
     return train, held_out
 
 
@@ -975,9 +980,12 @@ def make_accelerator(args):
     made first, with the timeout: `choose_precision` asks for the device, which would otherwise make it without."""
     handler = process_group_kwargs(args.dist_timeout_s)
     PartialState(parse_flag_from_env("ACCELERATE_USE_CPU"), **handler.to_kwargs())  # as Accelerator would make it
-    # DDP: gradients are views into its all-reduce buckets, not a second copy of them.
+    # DDP: gradients are views into its all-reduce buckets, not a second copy of them. FSDP: reduce-scattered at every
+    # microbatch, so a process accumulates its shard only (in accelerate's no_sync FSDP keeps every whole gradient).
+    fsdp = os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
     accelerator = Accelerator(log_with="tensorboard", project_dir=args.log_dir,
-                              gradient_accumulation_steps=args.gradient_accumulation_steps,
+                              gradient_accumulation_plugin=GradientAccumulationPlugin(
+                                  num_steps=args.gradient_accumulation_steps, sync_each_batch=fsdp),
                               mixed_precision=choose_precision(args.mixed_precision),
                               kwargs_handlers=[handler, DistributedDataParallelKwargs(gradient_as_bucket_view=True)])
     logger.info(f"mixed precision: {accelerator.mixed_precision} (--mixed_precision {args.mixed_precision})",
@@ -995,7 +1003,7 @@ def make_accelerator(args):
 def choose_precision(choice):
     """`--mixed_precision` resolved to one of accelerate's `no`, `bf16`, `fp16`; raises ValueError on another value.
     `auto`: the launcher's choice when `accelerate launch` set one (ACCELERATE_MIXED_PRECISION; with no flag and no
-    config it sets `no`), else bf16 on a CUDA device that supports it or a CPU whose flags (/proc/cpuinfo) include
+    config it sets `no`), else bf16 on a CUDA device that has it natively or a CPU whose flags (/proc/cpuinfo) include
     avx512_bf16 or amx_bf16, else `no`."""
     if choice not in ("auto", "no", "bf16", "fp16"):
         raise ValueError(f"--mixed_precision {choice!r}: use auto, no, bf16 or fp16.")
@@ -1007,7 +1015,7 @@ def choose_precision(choice):
             raise ValueError(f"accelerate launch --mixed_precision {launcher!r}: the scripts run no, bf16 or fp16.")
         return launcher
     if PartialState().device.type == "cuda":  # the device this run uses (a CPU run on a GPU host is a CPU run)
-        return "bf16" if torch.cuda.is_bf16_supported() else "no"
+        return "bf16" if torch.cuda.is_bf16_supported(including_emulation=False) else "no"  # CUDA: Ampere on; ROCm: any
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as f:
             flags = set(f.read().split())

@@ -13,7 +13,7 @@ output folder.
 
 Run it:
     python sft.py                                   # CPU, default offline config (SmolLM2-135M, IMDB)
-    accelerate launch sft.py                        # 1 GPU, or whatever `accelerate config` says
+    accelerate launch sft.py                        # all GPUs if no config file, else what it says
     accelerate launch --config_file configs/multi_gpu.yaml sft.py          # 8 GPUs, DDP
     accelerate launch --config_file configs/deepspeed_zero2.yaml sft.py    # 8 GPUs, ZeRO-2
     accelerate launch --config_file configs/deepspeed_zero3.yaml sft.py    # 8 GPUs, ZeRO-3
@@ -60,8 +60,8 @@ import tyro
 from accelerate import Accelerator, PartialState
 from accelerate.logging import get_logger
 from accelerate.state import AcceleratorState
-from accelerate.utils import (DistributedDataParallelKwargs, DistributedType, InitProcessGroupKwargs,
-                               broadcast_object_list, gather_object, parse_flag_from_env, set_seed)
+from accelerate.utils import (DistributedDataParallelKwargs, DistributedType, InitProcessGroupKwargs, set_seed,
+                               GradientAccumulationPlugin, broadcast_object_list, gather_object, parse_flag_from_env)
 from safetensors import SafetensorError
 from tqdm.auto import tqdm
 from transformers import (AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig, PretrainedConfig,
@@ -99,7 +99,7 @@ class Args:
     max_steps: int = 80
     """Optimizer steps. 80 x 8 = 640 demonstrations learn the review style (docs/results.md)."""
     warmup_ratio: float = 0.1
-    """Fraction of `max_steps` with linear warm-up; the rest decays linearly to 0."""
+    """Fraction (0-1) of `max_steps` warming up linearly from 0 (if > 0, step 1 has rate 0); then linear decay to 0."""
     weight_decay: float = 0.0
     """AdamW weight decay (0, as is usual for short fine-tuning)."""
     max_grad_norm: float = 1.0
@@ -144,8 +144,8 @@ class Args:
     """`bf16`, `fp16` or `no` (float32) for the model's matrix products (accelerate's autocast) and a frozen LoRA
     base's linear layers; trained weights, optimizer state and the loss stay float32 (under DeepSpeed and FSDP bf16
     is the engine's own: docs/implementation.md). `auto`: `accelerate launch`'s setting (its --mixed_precision or
-    config file; `no` with neither), else (plain `python`) bf16 where the hardware multiplies in bf16 natively (CUDA,
-    AVX512-BF16/AMX CPUs), else `no`; logged."""
+    config file; `no` with neither), else (plain `python`) bf16 where the hardware multiplies in bf16 natively (CUDA
+    GPUs from Ampere on, AVX512-BF16/AMX CPUs), else `no`; logged."""
     dist_timeout_s: int = 900
     """Seconds a process waits in a collective before giving up, so one failed process cannot hang the others."""
     log_dir: str = "runs/tensorboard"
@@ -237,9 +237,9 @@ def step_indices(step, num_rows, per_device_batch_size, accumulation_steps, proc
     """Row indices of this process's microbatches for optimizer step `step` (0-based): `accumulation_steps` lists
     of `per_device_batch_size` ints.
 
-    Epoch e is a permutation of the rows seeded by `seed + e`; step s takes the s-th global batch of
-    `per_device_batch_size * accumulation_steps * num_processes` rows of it (rows left over at an epoch's end are
-    skipped) and cuts it into one microbatch per (process, accumulation slot), process-major. Which rows share a
+    Epoch e is a permutation of the rows seeded by `seed + e`; step s takes global batch s % n of epoch s // n (n: the
+    epoch's whole batches of `per_device_batch_size * accumulation_steps * num_processes` rows; the rest is skipped)
+    and cuts it into one microbatch per (process, accumulation slot), process-major. Which rows share a
     microbatch then depends only on the step, not on how the global batch is spread over processes and
     accumulation (1 process x accumulation k equals k processes x accumulation 1), and a resumed run picks up the
     same order without any saved data-loader state.
@@ -307,6 +307,9 @@ def main(args: Args):
     for flag in ("max_steps", "per_device_train_batch_size", "gradient_accumulation_steps", "eval_every"):
         if getattr(args, flag) < 1:
             raise ValueError(f"--{flag} must be at least 1 (got {getattr(args, flag)}).")
+    if not (args.learning_rate >= 0 and 0 <= args.warmup_ratio <= 1):
+        raise ValueError(f"need --learning_rate >= 0 (got {args.learning_rate}) and 0 <= --warmup_ratio <= 1 (got "
+                         f"{args.warmup_ratio}).")
     checkpoint_dir = args.checkpoint_dir or args.output_dir.rstrip("/") + "-checkpoints"
     prepare_run_dirs(accelerator, "sft", args.output_dir, checkpoint_dir, args.log_dir,
                      {"the model (--model_name_or_path)": args.model_name_or_path,
@@ -345,7 +348,7 @@ def main(args: Args):
     scheduler = get_scheduler("linear", optimizer, num_warmup_steps=math.ceil(args.warmup_ratio * args.max_steps),
                               num_training_steps=args.max_steps)
     # The scheduler is stepped by hand once per optimizer step, so it is not prepared (accelerate would step it
-    # once per process); it is registered so that checkpoints hold it.
+    # num_processes times a call); it is registered so that checkpoints hold it.
     fit_deepspeed_config(accelerator, args.per_device_train_batch_size, U, args.max_grad_norm, model.config.hidden_size)
     model, optimizer = accelerator.prepare(model, optimizer)
     accelerator.register_for_checkpointing(scheduler)
@@ -792,6 +795,8 @@ def load_splits(dataset_name, stage, tokenizer):
             return row
 
         train, held_out = train.map(add_prompt), held_out.map(add_prompt)
+    logger.info(f"dataset {dataset_name!r}: {len(train)} rows to train on, {len(held_out)} held out (" + (
+        "its test split)" if "test" in table else "every 5th row)"), main_process_only=True)
     return train, held_out
 
 
@@ -914,9 +919,12 @@ def make_accelerator(args):
     made first, with the timeout: `choose_precision` asks for the device, which would otherwise make it without."""
     handler = process_group_kwargs(args.dist_timeout_s)
     PartialState(parse_flag_from_env("ACCELERATE_USE_CPU"), **handler.to_kwargs())  # as Accelerator would make it
-    # DDP: gradients are views into its all-reduce buckets, not a second copy of them.
+    # DDP: gradients are views into its all-reduce buckets, not a second copy of them. FSDP: reduce-scattered at every
+    # microbatch, so a process accumulates its shard only (in accelerate's no_sync FSDP keeps every whole gradient).
+    fsdp = os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
     accelerator = Accelerator(log_with="tensorboard", project_dir=args.log_dir,
-                              gradient_accumulation_steps=args.gradient_accumulation_steps,
+                              gradient_accumulation_plugin=GradientAccumulationPlugin(
+                                  num_steps=args.gradient_accumulation_steps, sync_each_batch=fsdp),
                               mixed_precision=choose_precision(args.mixed_precision),
                               kwargs_handlers=[handler, DistributedDataParallelKwargs(gradient_as_bucket_view=True)])
     logger.info(f"mixed precision: {accelerator.mixed_precision} (--mixed_precision {args.mixed_precision})",
@@ -934,7 +942,7 @@ def make_accelerator(args):
 def choose_precision(choice):
     """`--mixed_precision` resolved to one of accelerate's `no`, `bf16`, `fp16`; raises ValueError on another value.
     `auto`: the launcher's choice when `accelerate launch` set one (ACCELERATE_MIXED_PRECISION; with no flag and no
-    config it sets `no`), else bf16 on a CUDA device that supports it or a CPU whose flags (/proc/cpuinfo) include
+    config it sets `no`), else bf16 on a CUDA device that has it natively or a CPU whose flags (/proc/cpuinfo) include
     avx512_bf16 or amx_bf16, else `no`."""
     if choice not in ("auto", "no", "bf16", "fp16"):
         raise ValueError(f"--mixed_precision {choice!r}: use auto, no, bf16 or fp16.")
@@ -946,7 +954,7 @@ def choose_precision(choice):
             raise ValueError(f"accelerate launch --mixed_precision {launcher!r}: the scripts run no, bf16 or fp16.")
         return launcher
     if PartialState().device.type == "cuda":  # the device this run uses (a CPU run on a GPU host is a CPU run)
-        return "bf16" if torch.cuda.is_bf16_supported() else "no"
+        return "bf16" if torch.cuda.is_bf16_supported(including_emulation=False) else "no"  # CUDA: Ampere on; ROCm: any
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as f:
             flags = set(f.read().split())

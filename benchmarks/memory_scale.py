@@ -4,6 +4,7 @@ depend on them) and SmolLM2's tokenizer:
     python benchmarks/memory_scale.py zero3       # ppo_multinode.py, 2 processes, DDP against ZeRO-3 (~10 min)
     python benchmarks/memory_scale.py zero3 --engines zero3 zero3_layers   # ZeRO-3 generation: gathered once or not
     python benchmarks/memory_scale.py zero3 --mixed_precision bf16         # DDP's autocast against DeepSpeed's bf16
+    python benchmarks/memory_scale.py zero3 --engines fsdp1 fsdp2          # FSDP versions 1 and 2 (float32)
     python benchmarks/memory_scale.py lora        # ppo.py, LoRA r16 + shared backbones, bf16, a ~0.5B model
     python benchmarks/memory_scale.py lora --repo /path/to/an/older/checkout   # the same run with older code
     python benchmarks/memory_scale.py scoring     # the LM head's part of one no-grad scoring pass, 128k vocabulary
@@ -14,6 +15,8 @@ minibatches x 2 microbatches, 2 epochs) and the evaluation of 32 prompts before 
 `accelerate launch` of 2 processes (DDP over gloo; ZeRO-3 on DeepSpeed's CPU accelerator, configs/deepspeed_zero3.yaml).
 Every process writes its own peak RSS (VmHWM) when it ends: the main process also holds the reward model.
 `zero3_layers` is ZeRO-3 with `--no-gather_for_generation` (generation gathers each layer at every new token);
+`zero2`, `fsdp1`, `fsdp2` run configs/deepspeed_zero2.yaml, fsdp.yaml, fsdp2.yaml (FSDP through tests/sharded_test.py's
+FSDP_ON_CPU driver: accelerate does not set FSDP up on CPU processes by itself);
 each run also reports its update's generation seconds (`time/generation`, tensorboard).
 `lora`: a 0.49B Llama (24 layers, 1024 wide, 16 heads, 4 key/value heads, MLP 5120, the same vocabulary, tied), one
 `ppo.py` update of the default shapes with `--lora_r 16` (shared backbones) under bf16, one process, its peak RSS
@@ -42,7 +45,9 @@ SHAPES = {"zero3": dict(hidden_size=768, intermediate_size=3072, num_hidden_laye
           "lora": dict(hidden_size=1024, intermediate_size=5120, num_hidden_layers=24, num_attention_heads=16,
                        num_key_value_heads=4)}
 
-# A driver that runs ppo_multinode.py's main exactly as its __main__ does, then writes this process's VmHWM.
+# A driver that runs ppo_multinode.py's main exactly as its __main__ does (RUN_SCRIPT; under FSDP through
+# tests/sharded_test.py's FSDP_ON_CPU driver, which adapts accelerate to CPU processes), then writes this process's
+# VmHWM.
 DRIVER = '''import atexit, os, sys
 sys.path.insert(0, {repo!r})
 sys.argv = ["ppo_multinode.py"] + sys.argv[1:]
@@ -56,12 +61,23 @@ def write_peak():
 
 
 atexit.register(write_peak)  # exit_process runs the atexit handlers before os._exit
-import tyro
-import ppo_multinode
 if os.environ.get("DEFAULT_MALLOC") == "1":  # glibc's own policy: freed memory goes back, phases do not add up
-    ppo_multinode.tune_cpu_allocator = lambda: False
+    import ctypes
+
+    class CDLL(ctypes.CDLL):  # the C library as `tune_cpu_allocator` loads it (CDLL(None)), without mallopt
+        def __getattr__(self, name):
+            if name == "mallopt" and self._name is None:
+                raise AttributeError(name)  # tune_cpu_allocator then leaves malloc as it is
+            return super().__getattr__(name)
+
+    ctypes.CDLL = CDLL
+'''
+RUN_SCRIPT = '''import tyro
+import ppo_multinode
 ppo_multinode.run_as_command(ppo_multinode.main, tyro.cli(ppo_multinode.Args))
 '''
+CONFIGS = {"zero2": "deepspeed_zero2.yaml", "zero3": "deepspeed_zero3.yaml", "zero3_layers": "deepspeed_zero3.yaml",
+           "fsdp1": "fsdp.yaml", "fsdp2": "fsdp2.yaml"}
 
 
 def build_models(folder, shape):
@@ -96,14 +112,18 @@ def common_flags(models, out, name):
 
 
 def launch_two(engine, repo, work, models, default_malloc=False, precision="no"):
-    """One 2-process ppo_multinode.py update under `engine` (ddp, zero3, zero3_layers) in `precision` (no: float32;
+    """One 2-process ppo_multinode.py update under `engine` (ddp, or one of CONFIGS) in `precision` (no: float32;
     bf16: DDP's autocast, DeepSpeed's own bf16); the peak RSS (bytes) of rank 0 and 1 and the update's generation
     seconds."""
-    out = os.path.join(work, engine)
+    out = os.path.join(work, engine + ("_bf16" if precision == "bf16" else ""))
     os.makedirs(out, exist_ok=True)
     driver = os.path.join(work, "driver.py")
+    fsdp = engine.startswith("fsdp")
+    if fsdp:
+        sys.path.insert(0, os.path.join(HERE, "tests"))
+        from sharded_test import FSDP_ON_CPU
     with open(driver, "w") as f:
-        f.write(DRIVER.format(repo=repo, out=out))
+        f.write(DRIVER.format(repo=repo, out=out) + (FSDP_ON_CPU if fsdp else RUN_SCRIPT))
     launcher = [sys.executable, "-m", "accelerate.commands.launch", "--num_machines", "1",
                 "--mixed_precision", precision, "--dynamo_backend", "no", "--num_processes", "2",
                 "--num_cpu_threads_per_process", "1", "--main_process_port", "0"]
@@ -112,10 +132,14 @@ def launch_two(engine, repo, work, models, default_malloc=False, precision="no")
                DEFAULT_MALLOC="1" if default_malloc else "0")
     if engine == "ddp":
         launcher.append("--multi_gpu")
-        env["ACCELERATE_USE_CPU"] = "true"
     else:
-        launcher += ["--config_file", os.path.join(repo, "configs", "deepspeed_zero3.yaml")]
-    flags = common_flags(models, out, engine) + ["--mixed_precision", precision]
+        launcher += ["--config_file", os.path.join(repo, "configs", CONFIGS[engine])]
+    if engine == "ddp" or fsdp:
+        env["ACCELERATE_USE_CPU"] = "true"
+        env["FSDP_REPORT_DIR"] = os.path.join(out, "fsdp_report")  # FSDP_ON_CPU's record of what is sharded
+        os.makedirs(env["FSDP_REPORT_DIR"], exist_ok=True)
+    flags = ([os.path.join(repo, "ppo_multinode.py")] if fsdp else []) + common_flags(models, out, engine)
+    flags += ["--mixed_precision", precision]
     flags += ["--no-gather_for_generation"] if engine == "zero3_layers" else []
     with open(os.path.join(out, "output.txt"), "w") as log:
         proc = subprocess.run(launcher + [driver] + flags, cwd=repo, env=env, stdout=log, stderr=subprocess.STDOUT)
@@ -125,7 +149,7 @@ def launch_two(engine, repo, work, models, default_malloc=False, precision="no")
 
     events = EventAccumulator(os.path.join(out, "tb", engine), size_guidance={"scalars": 0})
     events.Reload()
-    generation_s = events.Scalars("time/generation")[0].value
+    generation_s = max(events.Scalars("time/generation"), key=lambda e: e.wall_time).value  # this run's: the newest
     return [int(open(os.path.join(out, f"rank{r}.json")).read()) for r in range(2)] + [generation_s]
 
 
@@ -195,7 +219,7 @@ def main():
                         help="zero3: leave glibc's malloc as it is (no `tune_cpu_allocator`)")
     parser.add_argument("--mixed_precision", default="no", choices=["no", "bf16"],
                         help="zero3: float32 (no), or bf16 (DDP's autocast against DeepSpeed's own bf16)")
-    parser.add_argument("--engines", nargs="+", default=["ddp", "zero3"], choices=["ddp", "zero3", "zero3_layers"])
+    parser.add_argument("--engines", nargs="+", default=["ddp", "zero3"], choices=["ddp", *CONFIGS])
     parser.add_argument("--repo", default=HERE, help="the checkout whose scripts run (default: this one)")
     parser.add_argument("--work", default=None, help="folder for the models and runs (default: a new temp folder)")
     args = parser.parse_args()

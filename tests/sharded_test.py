@@ -55,17 +55,18 @@ needs_deepspeed = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is No
                                      reason="deepspeed is not installed")
 
 # The DDP-against-sharded tests train hard enough that the weights move far more than the tolerance, with a
-# --max_grad_norm below every step's gradient norm, so that every step is clipped (checked in each test from the
-# DDP run's norms, `launch_ddp`) and a clip that one side skips shows. Measured on the tiny models under DDP, 6 steps
-# (ppo.py: 6 updates of 2 minibatches x 2 epochs; ppo_multinode.py: 2 updates of 2 minibatches): the largest weight
-# change is 3.0e-3 for sft.py and reward.py, 2.3e-3 for ppo.py, 1.2e-3 for ppo_multinode.py, at least 120 times the
-# DeepSpeed tolerance (and the runs under ZeRO-2, ZeRO-3 and FSDP end 1.2e-7 to 1.6e-7 from DDP's); the gradient norms
-# before clipping are 1.03-1.28 (sft.py), 12-22 (reward.py), 3.0-5.0 (ppo.py), 5.2-7.0 (ppo_multinode.py). A run
-# without the clip ends 1.2e-3 (sft.py) and 1.4e-3 (ppo.py, one process) away from the clipped one. PPO's value clip
-# binds too (checked: val/clipfrac > 0 in the DDP run), at the default 0.2 for ppo.py and at 0.02 for
-# ppo_multinode.py, whose values move less in its 2 updates; val/clipfrac is compared like every metric. It once
-# differed by one token between engines because a value inside the range came back 1 ulp off from the clipped
-# step and counted as clipped (fixed in ppo_losses, tested in utils_test.py).
+# --max_grad_norm below every step's gradient norm, so that every step is clipped (checked in each test from the DDP
+# run's norms, `launch_ddp`) and a clip that one side skips shows. Measured on the tiny models under DDP, 6 steps of one
+# microbatch (ppo.py: 6 updates of 2 minibatches x 2 epochs; ppo_multinode.py: 2 updates of 2 minibatches): the largest
+# weight change is 3.0e-3 for sft.py and reward.py, 2.3e-3 for ppo.py, 1.2e-3 for ppo_multinode.py, at least 120 times
+# the DeepSpeed tolerance (and the runs under ZeRO-2, ZeRO-3 and FSDP end 1.2e-7 to 1.6e-7 from DDP's); the gradient
+# norms before clipping are 1.03-1.28 (sft.py), 12-22 (reward.py), 3.0-5.0 (ppo.py), 5.2-7.0 (ppo_multinode.py). A run
+# without the clip ends 1.2e-3 (sft.py) and 1.4e-3 (ppo.py, one process) away from the clipped one. (The ZeRO-3 runs of
+# sft.py and reward.py and the FSDP sft.py run accumulate 2 microbatches a step: for them only the asserted bounds are
+# known.) PPO's value clip binds too (checked: val/clipfrac > 0 in the DDP run), at the default 0.2 for ppo.py and at
+# 0.02 for ppo_multinode.py, whose values move less in its 2 updates; val/clipfrac is compared like every metric. It
+# once differed by one token between engines because a value inside the range came back 1 ulp off from the clipped step
+# and counted as clipped (fixed in ppo_losses, tested in utils_test.py).
 HARD = {"sft": ["--learning_rate", "1e-3", "--max_grad_norm", "0.3"],
         "reward": ["--learning_rate", "1e-3", "--max_grad_norm", "5"],
         "ppo": ["--learning_rate", "2e-4", "--max_grad_norm", "0.5"],
@@ -359,7 +360,9 @@ adapted here, in this process only (the scripts are unchanged):
 To show that the model really is sharded, every `Accelerator.prepare` records, per process, the type of each prepared
 model and its local and whole parameter counts in $FSDP_REPORT_DIR/rank<r>.json; so does ppo_multinode.py's
 `shard_reference` for the reference it returns (when it is not the policy), counting its decoder layers only (the
-root unit is gathered for good there).
+root unit is gathered for good there). And every microbatch run in accelerate's `no_sync` (where FSDP would keep
+each parameter's whole gradient) leaves $FSDP_REPORT_DIR/no_sync<r>: the scripts reduce-scatter at every microbatch
+(seen where a run accumulates, sft.py's, 2 microbatches; `make_accelerator` is the same text in every script).
 """
 import contextlib
 import importlib.util
@@ -405,7 +408,13 @@ def to_cpu(self):  # (4)
 
 
 original_prepare = Accelerator.prepare
+original_no_sync = Accelerator.no_sync
 report = []
+
+
+def no_sync(self, model):
+    open(os.path.join(os.environ["FSDP_REPORT_DIR"], f"no_sync{self.process_index}"), "w").close()
+    return original_no_sync(self, model)
 
 
 def record(accelerator, model, whole, parameters):
@@ -438,6 +447,7 @@ def shard_reference(accelerator, ref_policy, policy):
 AcceleratorState.__init__ = init
 FlatParamHandle.to_cpu = to_cpu
 Accelerator.prepare = prepare
+Accelerator.no_sync = no_sync
 script, sys.argv = sys.argv[1], sys.argv[1:]
 spec = importlib.util.spec_from_file_location(os.path.basename(script).removesuffix(".py"), script)
 module = importlib.util.module_from_spec(spec)
@@ -453,7 +463,7 @@ def launch_fsdp(args, run_name, tmp_path, config="fsdp", env_extra=None):
     driver (see its docstring for the five adaptations of accelerate and PyTorch, in the test's processes only).
     Checks that every model `prepare` returned on each of the 2 processes, and ppo_multinode.py's reference as
     `shard_reference` returned it (its decoder layers), is FSDP-wrapped and holds about half of its parameters, the
-    other half on the other process."""
+    other half on the other process, and that no microbatch ran in accelerate's no_sync (whole gradients kept)."""
     driver = tmp_path / "fsdp_on_cpu.py"
     driver.write_text(FSDP_ON_CPU)
     report_dir = tmp_path / f"fsdp_report_{run_name}"
@@ -461,6 +471,7 @@ def launch_fsdp(args, run_name, tmp_path, config="fsdp", env_extra=None):
     output = launch_two(config, [args[0], str(driver), *args[1:]], run_name,
                         {"ACCELERATE_USE_CPU": "true", "FSDP_REPORT_DIR": str(report_dir), **(env_extra or {})})
     reports = [json.loads((report_dir / f"rank{rank}.json").read_text()) for rank in (0, 1)]
+    assert not list(report_dir.glob("no_sync*")), "a microbatch ran in no_sync: FSDP kept whole gradients"
     assert reports[0] and len(reports[0]) == len(reports[1]), reports
     for models in zip(*reports):
         for model in models:
@@ -500,13 +511,15 @@ def test_ppo_multinode_fsdp_equals_ddp(version, tiny, tmp_path):  # noqa: F811
 @pytest.mark.parametrize("stage", ["sft", "reward"])
 def test_fsdp_equals_ddp(stage, tiny_model_dir, tmp_path):  # noqa: F811
     """sft.py and reward.py under configs/fsdp.yaml (really sharded on 2 CPU processes: `launch_fsdp`) take the same
-    6 steps as DDP: the same logged metrics (evaluation included: sft.py generates its samples on every process, in
-    step, and reward.py evaluates the plain model, both with the root unit's weights gathered) and saved weights, and
-    the saved model loads with from_pretrained."""
+    6 steps as DDP (sft.py's of 2 accumulated microbatches, each reduce-scattered: `launch_fsdp` checks it; reward.py's
+    weights then end 1.5e-6 from DDP's, beyond FSDP_ATOL, so it takes one): the same logged metrics (evaluation
+    included: sft.py generates its samples on every process, in step, and reward.py evaluates the plain model, both
+    with the root unit's weights gathered) and saved weights, and the saved model loads with from_pretrained."""
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
     for name in ("ddp", "fsdp"):
-        cmd = stage_command(stage, tiny_model_dir, None, str(tmp_path / name), name, HARD[stage])
+        cmd = stage_command(stage, tiny_model_dir, None, str(tmp_path / name), name,
+                            HARD[stage] + ["--gradient_accumulation_steps", "2" if stage == "sft" else "1"])
         if name == "ddp":
             norms = launch_ddp(cmd, name, tmp_path)
         else:

@@ -4,7 +4,7 @@ to guard that guarantee fails.
     python tools/mutants.py                      # every mutant, then the markdown table (docs/testing.md)
     python tools/mutants.py --fast               # the few whose tests take seconds (CI runs these: tests/ci_test.py)
     python tools/mutants.py --only kl-sign-flipped score-on-padding-slot
-    python tools/mutants.py --list               # the mutants and their tests; checks that every one still applies
+    python tools/mutants.py --list               # the mutants and their tests; checks each applies, its test exists
     python tools/mutants.py --json results.json  # the results as JSON too
 
 A mutant is one or a few exact-text replacements in one script, each of which must match exactly once in the current
@@ -183,12 +183,12 @@ MUTANTS = [
     Mutant("whitening-variance-per-process", "ppo.py", "advantage whitening: variance not all-reduced (not global)",
            [('    squared_deviations = accelerator.reduce(((values - mean).square() * mask).sum(), reduction="sum")',
              "    squared_deviations = ((values - mean).square() * mask).sum()")],
-           R + "test_ppo_update_is_world_size_invariant[2-layouts0]"),
+           R + "test_ppo_update_is_world_size_invariant[2-layouts0-0]"),
     Mutant("ppo-token-count-not-reduced", "ppo.py", "dropped all-reduce of the minibatch's token count (PPO)",
            [('            n_tokens = accelerator.reduce(sum(rollouts["mask"][idx].sum() for idx in microbatches), '
              'reduction="sum")',
              '            n_tokens = sum(rollouts["mask"][idx].sum() for idx in microbatches)')],
-           R + "test_ppo_update_is_world_size_invariant[1-layouts1]"),
+           R + "test_ppo_update_is_world_size_invariant[1-layouts1-0]"),
     Mutant("minibatches-not-reshuffled", "ppo.py", "every PPO epoch sees the same minibatches",
            [("    for epoch in range(E):\n        orders = [",
              "    for epoch in range(E):\n        generator.manual_seed(args.seed * 100_003 + update)\n"
@@ -271,6 +271,10 @@ MUTANTS = [
     Mutant("missing-lora-target-skipped", "ppo.py", "a --lora_target_modules name the model lacks is quietly skipped",
            [("    if missing:  # peft would", "    if False:  # peft would")],
            F + "test_bad_input_gives_one_clear_error"),
+    Mutant("warmup-ratio-unchecked", "sft.py", "--warmup_ratio 2 accepted: the learning rate never reaches its peak",
+           [("    if not (args.learning_rate >= 0 and 0 <= args.warmup_ratio <= 1):",
+             "    if not args.learning_rate >= 0:")],
+           F + "test_bad_input_gives_one_clear_error"),
     # --- memory that scales (issue 30) -----------------------------------------------------------------------------
     Mutant("frozen-linears-float32", "ppo.py", "under bf16 the reference and reward model stay float32",
            [("            module.to(dtype)\n", "            pass\n")],
@@ -328,6 +332,10 @@ MUTANTS = [
     Mutant("fsdp2-checkpoint-gathered", "configs/fsdp2.yaml", "FSDP2 checkpoints gather model and AdamW on one process",
            [("  fsdp_state_dict_type: SHARDED_STATE_DICT", "  fsdp_state_dict_type: FULL_STATE_DICT")],
            S + "test_fsdp_resume_equals_uninterrupted[ppo_multinode-fsdp2]"),
+    Mutant("fsdp-whole-gradients-accumulated", "sft.py", "FSDP: whole gradients kept while accumulating (no_sync)",
+           [("num_steps=args.gradient_accumulation_steps, sync_each_batch=fsdp)",
+             "num_steps=args.gradient_accumulation_steps, sync_each_batch=False)")],
+           S + "test_fsdp_equals_ddp[sft]"),
     Mutant("zero3-one-sub-group", "ppo.py", "ZeRO-3 steps the optimizer in one sub-group of 1B parameters",
            [('"sub_group_size": 10 * hidden_size**2}.items():', '}.items():')],
            Y + "test_zero3_buffers_follow_the_model_shape_and_a_config_value_wins", fast=True),
@@ -468,7 +476,8 @@ def main():
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--fast", action="store_true", help="only the mutants marked fast (CI)")
     parser.add_argument("--only", nargs="+", metavar="NAME", help="only these mutants")
-    parser.add_argument("--list", action="store_true", help="list the mutants, check they apply, run nothing")
+    parser.add_argument("--list", action="store_true", help="list the mutants, check that they apply and that "
+                        "their tests exist; run no test")
     parser.add_argument("--no_baseline", action="store_true", help="skip the run of the unmutated tests")
     parser.add_argument("--timeout", type=float, default=1200, help="seconds per test run (default 1200)")
     parser.add_argument("--json", help="also write the results to this file (with each test run's last output, to "
@@ -485,10 +494,15 @@ def main():
 
     if args.list:
         problems = 0
+        files = sorted({m.test.split("::")[0] for m in selected})  # each mutant's test must still exist by its id
+        collected = set(subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", *files], cwd=HERE,
+                                       stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True).stdout.split())
         for mutant in selected:
             try:
                 mutate(open(os.path.join(HERE, mutant.file), encoding="utf-8").read(), mutant)
                 status = "applies"
+                if mutant.test not in collected:
+                    raise ValueError(f"pytest collects no test {mutant.test!r}")
             except ValueError as error:
                 status, problems = f"BROKEN: {error}", problems + 1
             print(f"{mutant.name:34} {mutant.file:17} {'fast ' if mutant.fast else ''}{mutant.test}  [{status}]")
