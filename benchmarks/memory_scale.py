@@ -90,7 +90,7 @@ def build_models(folder, shape):
     import ppo
 
     PartialState(cpu=True)
-    tokenizer = ppo.load_tokenizer(ppo.DEFAULT_MODEL)
+    tokenizer = ppo.load_tokenizer(os.path.join(HERE, ppo.DEFAULT_MODEL))  # python prepare.py model
     config = LlamaConfig(vocab_size=len(tokenizer), max_position_embeddings=512, tie_word_embeddings=True,
                          pad_token_id=tokenizer.pad_token_id, num_labels=1, eos_token_id=tokenizer.eos_token_id,
                          bos_token_id=tokenizer.bos_token_id, **shape)

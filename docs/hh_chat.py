@@ -9,7 +9,8 @@ optimiser works. Gao et al. 2022 ("Scaling Laws for Reward Model Overoptimizatio
 reward model instead; theirs is much larger than the proxy, ours is the same size, trained on other human pairs.
 
 Which rows: the 2,312 pairs of `../shared/data/hh-rlhf/harmless-base-test.jsonl.gz` split by row index i: even i
-into `proxy.jsonl` (what SFT, the proxy reward model and PPO read), odd i into `gold.jsonl` (what the judge reads).
+into `proxy.jsonl` (what SFT, the proxy reward model and PPO read), odd i into `gold.jsonl` (what the judge reads),
+as conversations (prepare.py's `hh_pairs`, which leaves out the pairs whose turns do not alternate).
 Each script holds out every 5th row of its file (`load_splits`), so the judge is measured on held-out gold pairs,
 and the comparison uses the held-out prompts of `proxy.jsonl`: no stage trained on them, and the judge never saw
 their rows. The judge starts from SmolLM2-135M-Instruct itself, not from the SFT model (which read proxy rows).
@@ -41,8 +42,8 @@ def parse_args(argv):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--data", default=HH, help="Anthropic HH jsonl(.gz) of chosen/rejected dialogues")
     parser.add_argument("--out_dir", default="runs/hh_chat", help="data halves, models, logs and results.json")
-    parser.add_argument("--model", default="HuggingFaceTB/SmolLM2-135M-Instruct",
-                        help="the chat model every stage starts from")
+    parser.add_argument("--model", default="models/SmolLM2-135M-Instruct",
+                        help="the chat model every stage starts from (python prepare.py model)")
     parser.add_argument("--prompt_length", type=int, default=128, help="prompt tokens kept (the end) in every stage")
     parser.add_argument("--response_length", type=int, default=48,
                         help="reply tokens sampled by PPO and the comparison")
@@ -59,14 +60,16 @@ def parse_args(argv):
 
 
 def split_rows(args):
-    """Write proxy.jsonl (even rows) and gold.jsonl (odd rows) once; return their paths."""
+    """Write proxy.jsonl (even rows) and gold.jsonl (odd rows) as conversations once; return their paths."""
+    sys.path.insert(0, HERE)
+    import prepare
+
     paths = {name: os.path.join(args.out_dir, f"{name}.jsonl") for name in ("proxy", "gold")}
     if not all(os.path.isfile(p) for p in paths.values()):
         with gzip.open(args.data, "rt", encoding="utf-8") if args.data.endswith(".gz") else open(args.data) as f:
-            rows = [line for line in f if line.strip()]
+            rows = [json.loads(line) for line in f if line.strip()]
         for k, name in enumerate(("proxy", "gold")):
-            with open(paths[name], "w", encoding="utf-8") as f:
-                f.writelines(rows[k::2])
+            prepare.write_jsonl(paths[name], prepare.hh_pairs(rows[k::2]))
     return paths
 
 
@@ -104,7 +107,7 @@ def compare(args, paths, out):
 
     PartialState()  # the scripts' helpers log through accelerate
     tokenizer = ppo.load_tokenizer(out["sft"])
-    prompts = list(ppo.load_splits(paths["proxy"], "ppo", tokenizer)[1]["prompt"])
+    prompts = list(ppo.load_splits(paths["proxy"], tokenizer)[1]["prompt"])
     prompts = prompts[: args.prompts] if args.prompts else prompts
     ids = tokenizer(prompts, add_special_tokens=False)["input_ids"]
     query_ids, query_mask = ppo.left_pad(ids, tokenizer.pad_token_id, args.prompt_length)

