@@ -45,6 +45,8 @@ from dataclasses import dataclass
 
 import torch
 
+from prepare import clean_review, split_review  # the IMDB task's own cleaning and ending (prepare.py beside this file)
+
 JUDGE_PATH = os.environ.get("IMDB_GOLD_JUDGE", "runs/imdb/gold/judge.json")
 KIND = "imdb_gold_reward"  # written into the judge file: a file without it is not ours to overwrite
 WORD = re.compile(r"[a-z0-9']+")
@@ -200,25 +202,6 @@ def main(args: Args):
                    "args": vars(args)}, f)
     os.replace(tmp, args.output_path)
     return accuracy
-
-
-# Copies of ppo.py's (utils_test.py checks they stay identical): the IMDB task's cleaning and ending.
-def clean_review(text):
-    """IMDB reviews contain HTML line breaks; turn them into spaces and collapse whitespace."""
-    return " ".join(text.replace("<br />", " ").split())
-
-
-def split_review(text, prompt_words=10, min_words=8, max_words=24):
-    """`(prompt, completion)`: the completion is the review's closing words, where its verdict usually is (the last
-    `max_words`, moved forward to a sentence start leaving at least `min_words`; it starts with a space, as in running
-    text), the prompt the `prompt_words` words before it."""
-    words = text.split()
-    start = max(len(words) - max_words, min(prompt_words, len(words) - 1))
-    for i in range(start, len(words) - min_words + 1):
-        if i > 0 and words[i - 1].endswith((".", "!", "?")):
-            start = i
-            break
-    return " ".join(words[max(start - prompt_words, 0) : start]), " " + " ".join(words[start:])
 
 
 if __name__ == "__main__":

@@ -39,7 +39,7 @@ def publish(out, what, source, write):
     of this script (one with MARKER) and refusing any other existing path: nothing of the user's is deleted."""
     if os.path.lexists(out) and not os.path.isfile(os.path.join(out, MARKER)):
         raise SystemExit(f"error: {out} exists and was not written by prepare.py ({MARKER} is missing); "
-                         "move it away or pass another --out.")
+                         "move it away or choose another folder (--model_out, --imdb_out, --hh_out).")
     parent = os.path.dirname(os.path.abspath(out))
     os.makedirs(parent, exist_ok=True)
     folder = tempfile.mkdtemp(prefix=os.path.basename(out) + ".", suffix=".tmp", dir=parent)
@@ -224,7 +224,11 @@ def prepare_chat(source, out):
         rows = datasets.load_dataset("json", data_files=source, split="train")
     else:
         rows = datasets.load_dataset(source, data_dir="harmless-base", split="train")
+    if not {"chosen", "rejected"} <= set(rows.column_names):
+        raise SystemExit(f"error: {source} has columns {rows.column_names}, not HH's `chosen` and `rejected`.")
     pairs = hh_pairs(rows)
+    if not pairs:
+        raise SystemExit(f"error: {source}: no pair alternates Human/Assistant turns and shares all but its last.")
     print(f"{len(rows) - len(pairs)} of {len(rows)} pairs left out: their turns do not alternate, or they differ "
           "before the last turn")
 

@@ -22,6 +22,7 @@ Run it:
     # DeepSpeed without GPUs (its CPU accelerator, gloo; no ACCELERATE_USE_CPU, which would mean DDP): tested
     # equal to DDP on 2 processes, ZeRO-2 and ZeRO-3 (tests/sharded_test.py); FSDP too, through a test-only driver
     accelerate launch --config_file configs/deepspeed_zero2.yaml --num_processes 2 sft.py
+    python prepare.py chat                          # once: Anthropic HH as conversations (data/hh)
     python sft.py --dataset_name data/hh --output_dir runs/hh/sft --max_prompt_length 128 --max_length 192
 
 Follows: Ouyang et al. 2022 "Training language models to follow instructions with human feedback" (InstructGPT),
@@ -455,14 +456,16 @@ STOP_SIGNAL = {}  # {"name": "SIGTERM"} once a stop signal has arrived (see stop
 
 
 def local_path(name_or_path, what):
-    """`name_or_path`, once a local path is known to exist. Local: it exists, starts with ".", "/" or "~" or with
-    prepare.py's `models/` or `data/`, or holds more than one "/"; anything else is a hub id (`org/name`). Raises
-    FileNotFoundError."""
-    if not os.path.exists(name_or_path) and (
-            name_or_path.startswith((".", "/", "~", "models/", "data/")) or name_or_path.count("/") > 1):
+    """`name_or_path`, once a local path is known to exist. Local: it exists, starts with ".", "/", "~", `models/` or
+    `data/`, holds more than one "/", or ends like a data file (.json, .jsonl, .csv, .parquet, .gz); anything else is
+    a hub id (`org/name`). Raises FileNotFoundError, saying which `prepare.py` command writes prepare.py's paths."""
+    if not os.path.exists(name_or_path) and (name_or_path.startswith((".", "/", "~", "models/", "data/"))
+                                             or name_or_path.count("/") > 1
+                                             or name_or_path.endswith((".json", ".jsonl", ".csv", ".parquet", ".gz"))):
+        prepared = [("models/SmolLM2-135M-Instruct", ""), ("data/imdb", ""), ("data/hh", " chat")]  # prepare.py's
+        command = next((c for folder, c in prepared if (name_or_path.rstrip("/") + "/").startswith(folder + "/")), None)
         raise FileNotFoundError(f"{what} {name_or_path!r} does not exist" + (
-            ": `python prepare.py` writes it (README's Quick start)." if name_or_path.startswith(("models/", "data/"))
-            else "."))
+            "." if command is None else f": `python prepare.py{command}` writes it (README's Quick start)."))
     return name_or_path
 
 
@@ -589,7 +592,7 @@ def tune_cpu_allocator():
 
 
 def load_splits(dataset_name, tokenizer):
-    """`(train, test)` datasets from a folder (`python prepare.py` writes data/imdb/<stage> and data/hh), a
+    """`(train, test)` datasets from a folder (`python prepare.py` writes data/imdb/<stage>, `... chat` data/hh), a
     json/jsonl(.gz)/csv/parquet file or a hub id, read by `datasets.load_dataset`: its `test` split is held out, else
     every 5th row. Conversations become text by the chat template (`render_chat`). Raises FileNotFoundError, or
     ValueError naming the file and row."""

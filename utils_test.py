@@ -502,7 +502,11 @@ def test_a_test_split_is_held_out_else_every_fifth_row(tmp_path):
     (tmp_path / "test.jsonl").write_text(json.dumps({"prompt": "held out"}) + "\n")
     train, held_out = ppo.load_splits(str(tmp_path), text)
     assert held_out["prompt"] == ["held out"] and train["prompt"] == [row["prompt"] for row in rows]
-    with pytest.raises(FileNotFoundError, match="'data/none' does not exist: `python prepare.py` writes it"):
+    with pytest.raises(FileNotFoundError, match=r"'data/imdb/none' does not exist: `python prepare.py` writes it"):
+        ppo.load_splits("data/imdb/none", text)
+    with pytest.raises(FileNotFoundError, match=r"'data/hh/none' does not exist: `python prepare.py chat` writes it"):
+        ppo.load_splits("data/hh/none", text)
+    with pytest.raises(FileNotFoundError, match=r"'data/none' does not exist\.$"):
         ppo.load_splits("data/none", text)
 
 

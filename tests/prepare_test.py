@@ -91,6 +91,11 @@ def test_chat_pairs_and_a_folder_prepare_did_not_write(tmp_path):
         prepare.main(["chat", "--hh", str(source), "--hh_out", str(mine)])
     assert os.listdir(mine) == ["notes.txt"] and (mine / "notes.txt").read_text() == "keep me"
     assert sorted(os.listdir(tmp_path)) == ["hh", "hh.jsonl", "mine"]  # no temporary folder left behind
+    for name, bad in [("text.jsonl", {"text": "hi"}), ("unpaired.jsonl", rows[3])]:  # not HH; no pair kept
+        (tmp_path / name).write_text(json.dumps(bad) + "\n")
+        with pytest.raises(SystemExit, match="^error: .*(not HH's `chosen` and `rejected`|no pair alternates)"):
+            prepare.main(["chat", "--hh", str(tmp_path / name), "--hh_out", str(tmp_path / "other")])
+        assert not (tmp_path / "other").exists()
 
 
 def test_the_command_line_prepares_the_defaults_inputs():

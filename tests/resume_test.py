@@ -395,8 +395,8 @@ def bad_cases(model_dir, rm_dir, tmp_path):
         ("microbatches do not divide", ppo + ["--gradient_accumulation_steps", "3"],
          "not divisible by --gradient_accumulation_steps 3"),
         ("unknown model path", [sys.executable, "sft.py", "--model_name_or_path", "./no/such/model"], "does not exist"),
-        ("model not prepared", [sys.executable, "sft.py", "--model_name_or_path", "models/none"],
-         "model 'models/none' does not exist: `python prepare.py` writes it"),
+        ("model not prepared", [sys.executable, "sft.py", "--model_name_or_path", "models/SmolLM2-135M-Instruct/none"],
+         "model 'models/SmolLM2-135M-Instruct/none' does not exist: `python prepare.py` writes it"),
     ]
 
 
