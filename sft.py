@@ -38,8 +38,6 @@ import atexit
 import contextlib
 import ctypes
 import gc
-import glob
-import gzip
 import json
 import logging
 import math
@@ -491,27 +489,22 @@ def load_model(name_or_path, model_class, **kwargs):
 
 
 def disable_dropout(config_or_model):
-    """Every dropout probability set to 0, in place, in a config (sub-configs too: every float setting named "*drop*")
-    or a built model (`nn.Dropout` modules, float "*drop*" attributes, which modules copy from the config when they
-    are built); returns its argument."""
-    if isinstance(config_or_model, torch.nn.Module):
-        for module in config_or_model.modules():
+    """Every dropout probability set to 0, in place, and returned: float settings named "*drop*" of a config and its
+    sub-configs (`text_config`), or of a built model's modules (which copy them from the config when built, as
+    Llama's attention does) and its `nn.Dropout` modules' `p`."""
+    if isinstance(config_or_model, PretrainedConfig):
+        targets = [config_or_model]
+        for target in targets:  # grows as it goes: sub-configs of sub-configs too
+            targets += [value for value in vars(target).values() if isinstance(value, PretrainedConfig)]
+    else:
+        targets = list(config_or_model.modules())
+        for module in targets:
             if isinstance(module, torch.nn.Dropout):
                 module.p = 0.0
-        objects = [module.__dict__ for module in config_or_model.modules()] + [config_or_model.config.__dict__]
-    else:
-        objects = [config_or_model.__dict__]
-    seen = set()
-    while objects:
-        attributes = objects.pop()
-        if id(attributes) in seen:
-            continue
-        seen.add(id(attributes))
-        for key, value in list(attributes.items()):
-            if isinstance(value, PretrainedConfig):
-                objects.append(value.__dict__)  # a sub-config (`text_config`), or the config a module keeps
-            elif "drop" in key.lower() and isinstance(value, float):
-                attributes[key] = 0.0
+    for target in targets:
+        for key, value in vars(target).items():
+            if "drop" in key.lower() and isinstance(value, float):
+                setattr(target, key, 0.0)
     return config_or_model
 
 
@@ -595,34 +588,31 @@ def load_splits(dataset_name, tokenizer):
     """`(train, test)` datasets from a folder (`python prepare.py` writes data/imdb/<stage>, `... chat` data/hh), a
     json/jsonl(.gz)/csv/parquet file or a hub id, read by `datasets.load_dataset`: its `test` split is held out, else
     every 5th row. Conversations become text by the chat template (`render_chat`). Raises FileNotFoundError, or
-    ValueError naming the file and row."""
+    ValueError naming the file (a bad line by datasets' own words, e.g. its byte position) or the row."""
     kinds = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
     ext = os.path.splitext(dataset_name[:-3] if dataset_name.endswith(".gz") else dataset_name)[1]
     local = os.path.exists(local_path(dataset_name, "dataset"))
-    files = sorted(glob.glob(os.path.join(dataset_name, "*"))) if os.path.isdir(dataset_name) else [dataset_name]
-    for path in files if local else ():
-        if path.endswith((".jsonl", ".jsonl.gz")):
-            check_json_lines(path)
     try:
         table = datasets.load_dataset(kinds[ext], data_files=dataset_name) if local and ext in kinds else (
             datasets.load_dataset(dataset_name))
-    except Exception as error:  # datasets' own errors name neither the file nor the row
+        columns = {(split_name, column): list(split[column]) for split_name, split in table.items()  # text decoded here
+                   for column in {"prompt", "completion", "chosen", "rejected", "messages"} & set(split.column_names)}
+    except Exception as error:  # datasets' own words name no file (an empty JSON file raises a bare StopIteration)
         if not local:
             raise
-        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        reason = str(error).strip().splitlines()[0] if str(error).strip() else "no rows"
         raise ValueError(f"dataset {dataset_name!r} cannot be read ({reason}).") from error
     if sum(len(split) for split in table.values()) == 0:
         raise ValueError(f"dataset {dataset_name!r} has no rows.")
     chat = False
-    for split_name, split in table.items():
-        for column in {"prompt", "completion", "chosen", "rejected", "messages"} & set(split.column_names):
-            kind = list if column == "messages" or len(split) and isinstance(split[0][column], list) else str
-            chat |= kind is list
-            for row, value in enumerate(split[column]):
-                if not isinstance(value, kind):
-                    raise ValueError(f"dataset {dataset_name!r} ({split_name} split) row {row + 1}: column "
-                                     f"{column!r} holds {type(value).__name__} ({str(value)[:40]!r}), not "
-                                     + ("a conversation (a list of messages)." if kind is list else "text."))
+    for (split_name, column), values in columns.items():
+        kind = list if column == "messages" or values and isinstance(values[0], list) else str
+        chat |= kind is list
+        for row, value in enumerate(values):
+            if not isinstance(value, kind):
+                raise ValueError(f"dataset {dataset_name!r} ({split_name} split) row {row + 1}: column {column!r} "
+                                 f"holds {type(value).__name__} ({str(value)[:40]!r}), not "
+                                 + ("a conversation (a list of messages)." if kind is list else "text."))
     if chat and not tokenizer.chat_template:
         raise ValueError(f"dataset {dataset_name!r} is conversational, but the tokenizer has no chat template: add "
                          "`chat_template` to the model's tokenizer_config.json, or give the data as text.")
@@ -686,33 +676,6 @@ def render_chat(row, tokenizer):
         row[key] = text[len(prompt) : end]
     row["prompt"] = prompt
     return row
-
-
-def check_json_lines(path):
-    """Raise ValueError naming the file and line if `path` (.jsonl, optionally .gz) is not UTF-8 JSON objects, one
-    per line, or holds no rows at all."""
-    opener = gzip.open if path.endswith(".gz") else open
-    rows = 0
-    with opener(path, "rb") as f:
-        for line_number, line in enumerate(f, 1):
-            try:
-                text = line.decode("utf-8")
-            except UnicodeDecodeError as error:
-                raise ValueError(f"dataset file {path!r} line {line_number} is not UTF-8 ({error.reason} at byte "
-                                 f"{error.start}).") from error
-            if not text.strip():
-                continue
-            try:
-                row = json.loads(text)
-            except json.JSONDecodeError as error:
-                raise ValueError(f"dataset file {path!r} line {line_number} is not valid JSON ({error.msg}, column "
-                                 f"{error.colno}).") from error
-            if not isinstance(row, dict):
-                raise ValueError(f"dataset file {path!r} line {line_number} is a JSON {type(row).__name__}, not an "
-                                 "object with named columns.")
-            rows += 1
-    if rows == 0:
-        raise ValueError(f"dataset file {path!r} is empty.")
 
 
 def require_columns(dataset, columns, dataset_name):

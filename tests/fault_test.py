@@ -428,9 +428,10 @@ def bad_inputs(model_dir, rm_dir, tmp_path):
                  "--eval_prompts", "4"]
     return [
         ("malformed JSON line", sft + ["--dataset_name", str(malformed)],
-         f"{str(malformed)!r} line 7 is not valid JSON"),
-        ("not UTF-8", sft + ["--dataset_name", str(not_utf8)], f"{str(not_utf8)!r} line 4 is not UTF-8"),
-        ("empty file", sft + ["--dataset_name", str(empty)], f"{str(empty)!r} is empty"),
+         f"{str(malformed)!r} cannot be read (Expected object or value at position"),
+        ("not UTF-8", sft + ["--dataset_name", str(not_utf8)],
+         f"{str(not_utf8)!r} cannot be read ('utf-8' codec can't decode byte 0xe9"),
+        ("empty file", sft + ["--dataset_name", str(empty)], f"{str(empty)!r} cannot be read (no rows)"),
         ("a number as prompt", sft + ["--dataset_name", str(numbers)], "row 5: column 'prompt' holds int"),
         ("eval prompts", ppo + ["--eval_prompts", "0"], "--eval_prompts 0 is below the 1 processes"),
         ("query length", ppo + ["--query_length", "0"], "--query_length must be at least 1"),
