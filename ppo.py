@@ -1167,7 +1167,8 @@ def load_splits(dataset_name, tokenizer):
     """`(train, test)` datasets from a folder (`python prepare.py` writes data/imdb/<stage>, `... chat` data/hh), a
     json/jsonl(.gz)/csv/parquet file or a hub id, read by `datasets.load_dataset`: its `test` split is held out, else
     every 5th row. Conversations become text by the chat template (`render_chat`). Raises FileNotFoundError, or
-    ValueError naming the file (a bad line by datasets' own words, e.g. its byte position) or the row."""
+    ValueError naming the file (a bad line in the words of datasets or pyarrow, whose row and position numbers count
+    within the block of the file being read, not from its start) or the row."""
     kinds = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
     ext = os.path.splitext(dataset_name[:-3] if dataset_name.endswith(".gz") else dataset_name)[1]
     local = os.path.exists(local_path(dataset_name, "dataset"))
@@ -1179,7 +1180,10 @@ def load_splits(dataset_name, tokenizer):
     except Exception as error:  # datasets' own words name no file (an empty JSON file raises a bare StopIteration)
         if not local:
             raise
-        reason = str(error).strip().splitlines()[0] if str(error).strip() else "no rows"
+        cause = error
+        while cause.__cause__ is not None:  # a DatasetGenerationError wraps pyarrow's words on the bad line
+            cause = cause.__cause__
+        reason = str(cause).strip().splitlines()[0] if str(cause).strip() else "no rows"
         raise ValueError(f"dataset {dataset_name!r} cannot be read ({reason}).") from error
     if sum(len(split) for split in table.values()) == 0:
         raise ValueError(f"dataset {dataset_name!r} has no rows.")

@@ -412,6 +412,8 @@ def bad_inputs(model_dir, rm_dir, tmp_path):
     rows = [json.dumps({"prompt": f"p {i}", "completion": f" c {i}"}) for i in range(20)]
     malformed = tmp_path / "malformed.jsonl"
     malformed.write_text("\n".join(rows[:6] + ['{"prompt": "p", "completion": '] + rows[6:]))
+    no_comma = tmp_path / "no_comma.jsonl"  # past the first block pyarrow reads: datasets wraps pyarrow's error
+    no_comma.write_text("\n".join(rows * 2000 + ['{"prompt": "p" "completion": " c"}'] + rows))
     not_utf8 = tmp_path / "latin1.jsonl"
     not_utf8.write_bytes("\n".join(rows[:3]).encode() + b'\n{"prompt": "caf\xe9", "completion": " x"}\n')
     empty = tmp_path / "empty.jsonl"
@@ -429,6 +431,8 @@ def bad_inputs(model_dir, rm_dir, tmp_path):
     return [
         ("malformed JSON line", sft + ["--dataset_name", str(malformed)],
          f"{str(malformed)!r} cannot be read (Expected object or value at position"),
+        ("missing comma", sft + ["--dataset_name", str(no_comma)],
+         f"{str(no_comma)!r} cannot be read (JSON parse error: Missing a comma"),
         ("not UTF-8", sft + ["--dataset_name", str(not_utf8)],
          f"{str(not_utf8)!r} cannot be read ('utf-8' codec can't decode byte 0xe9"),
         ("empty file", sft + ["--dataset_name", str(empty)], f"{str(empty)!r} cannot be read (no rows)"),
