@@ -1388,10 +1388,8 @@ def require_columns(dataset, columns, dataset_name):
     with their count, about rows whose text in one of `columns` is empty."""
     missing = [c for c in columns if c not in dataset.column_names]
     if missing:
-        raise ValueError(
-            f"dataset {dataset_name!r} lacks column(s) {missing} (it has {dataset.column_names}); "
-            f"this stage needs {list(columns)}."
-        )
+        raise ValueError(f"dataset {dataset_name!r} lacks column(s) {missing} (it has {dataset.column_names}); "
+                         f"this stage needs {list(columns)}.")
     for column in columns:
         empty = sum(not value.strip() for value in dataset[column])
         if empty:
@@ -1537,17 +1535,12 @@ def write_error(path, error):
 
 
 def prepare_run_dirs(accelerator, stage, output_dir, checkpoint_dir, log_dir, inputs, overwrite):
-    """Check and create the folders a run writes, before any work. Raises ValueError, the same on every process.
-
-    `inputs` maps a description to each input path (models, data). The final save replaces `output_dir` whole (by
-    renames, see `save_atomically`), so it must never be, or contain, the working directory, an input, the checkpoint
-    folder or the log folder; a non-empty `output_dir` that is not an earlier output of this `stage` (its
-    OUTPUT_MARKER says so) is refused unless `overwrite`. The checkpoint and log folders are created and probed with
-    a small file, as is the folder that will hold the output, so a read-only or missing disk fails now, not after
-    training. Finally every process must see what the main process wrote into the checkpoint folder: with several
-    nodes it has to be a shared folder, or no process but the main one could resume (each process saves its own
-    random-number state there).
-    """
+    """Check and create the folders a run writes, before any work; raises ValueError, the same on every process.
+    `inputs` maps a description to each input path. The final save replaces `output_dir` whole (`save_atomically`):
+    it must not be or contain the working directory, an input, the checkpoint or the log folder, and a non-empty one
+    that is not an earlier output of this `stage` (its OUTPUT_MARKER) needs `overwrite`. The output's parent, the
+    checkpoint and the log folders are probed with a small file, and every process must see what the main process
+    writes into the checkpoint folder (several nodes: a shared file system; each process saves its RNG state there)."""
     output = os.path.realpath(output_dir)
     guarded = {"the working directory": os.getcwd(), "the checkpoint folder (--checkpoint_dir)": checkpoint_dir,
                "the log folder (--log_dir)": log_dir,
