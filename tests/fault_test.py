@@ -412,8 +412,8 @@ def bad_inputs(model_dir, rm_dir, tmp_path):
     rows = [json.dumps({"prompt": f"p {i}", "completion": f" c {i}"}) for i in range(20)]
     malformed = tmp_path / "malformed.jsonl"
     malformed.write_text("\n".join(rows[:6] + ['{"prompt": "p", "completion": '] + rows[6:]))
-    no_comma = tmp_path / "no_comma.jsonl"  # past the first block pyarrow reads: datasets wraps pyarrow's error
-    no_comma.write_text("\n".join(rows * 2000 + ['{"prompt": "p" "completion": " c"}'] + rows))
+    no_comma = tmp_path / "no_comma.jsonl"  # pyarrow's ArrowInvalid, which datasets wraps in DatasetGenerationError
+    no_comma.write_text("\n".join(rows[:6] + ['{"prompt": "p" "completion": " c"}'] + rows[6:]))
     not_utf8 = tmp_path / "latin1.jsonl"
     not_utf8.write_bytes("\n".join(rows[:3]).encode() + b'\n{"prompt": "caf\xe9", "completion": " x"}\n')
     empty = tmp_path / "empty.jsonl"

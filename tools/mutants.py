@@ -271,6 +271,10 @@ MUTANTS = [
     Mutant("missing-lora-target-skipped", "ppo.py", "a --lora_target_modules name the model lacks is quietly skipped",
            [("    if missing:  # peft would", "    if False:  # peft would")],
            F + "test_bad_input_gives_one_clear_error"),
+    Mutant("data-error-cause-hidden", "sft.py", "a data file's read error names datasets' wrapper, not pyarrow's reason",
+           [("        while cause.__cause__ is not None:  # a DatasetGenerationError wraps pyarrow's words on the bad line\n"
+             "            cause = cause.__cause__\n", "")],
+           F + "test_bad_input_gives_one_clear_error"),
     Mutant("warmup-ratio-unchecked", "sft.py", "--warmup_ratio 2 accepted: the learning rate never reaches its peak",
            [("    if not (args.learning_rate >= 0 and 0 <= args.warmup_ratio <= 1):",
              "    if not args.learning_rate >= 0:")],
