@@ -103,6 +103,7 @@ def load_default_model(name):
 
 
 def prepare_model(name, out):
+    """Save model `name` (see `load_default_model`) and its tokenizer at `out` as an ordinary HF folder."""
     model, tokenizer, source = load_default_model(name)
 
     def write(folder):
@@ -179,12 +180,14 @@ def build_imdb(stage, texts, labels):
 
 
 def write_jsonl(path, rows):
+    """One JSON object per line (JSON Lines, what `datasets.load_dataset("json", ...)` reads), UTF-8 kept as is."""
     with open(path, "w", encoding="utf-8") as f:
         for row in rows:
             f.write(json.dumps(row, ensure_ascii=False) + "\n")
 
 
 def prepare_imdb(out):
+    """The three IMDB tasks (see `build_imdb`) as `out`/{sft,reward,ppo}/{train,test}.jsonl."""
     texts, labels = imdb_reviews()
     for stage in ("sft", "reward", "ppo"):
         train, test = build_imdb(stage, texts, labels)
@@ -258,6 +261,7 @@ def parse_args(argv=None):
 
 
 def main(argv=None):
+    """Prepare each part asked for, in order; an OSError becomes one `error:` line and exit status 1."""
     args = parse_args(argv)
     for what in args.what:
         try:
