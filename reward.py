@@ -540,32 +540,22 @@ def load_tokenizer(name_or_path):
 
 
 def load_model(name_or_path, model_class, **kwargs):
-    """`model_class.from_pretrained(name_or_path)` in float32, dropout off before it is built (`disable_dropout`:
-    PPO's ratio must be exactly 1 before the first update); `kwargs` override the config (`num_labels=1`). Under
-    ZeRO-3 transformers builds it partitioned (a classifier's new `score` head is the caller's to initialise)."""
+    """`model_class.from_pretrained(name_or_path)` in float32, dropout off (PPO's ratio must be exactly 1 before the
+    first update): float "*drop*" settings of the config and its sub-configs zeroed before the build, which copies
+    them (Llama's attention keeps `attention_dropout`), `nn.Dropout` modules after it. `kwargs` override the config
+    (`num_labels=1`). Under ZeRO-3 it is built partitioned (a new `score` head is the caller's to initialise)."""
     config = AutoConfig.from_pretrained(local_path(name_or_path, "model"), **kwargs)
-    return disable_dropout(model_class.from_pretrained(name_or_path, config=disable_dropout(config),
-                                                       dtype=torch.float32))
-
-
-def disable_dropout(config_or_model):
-    """Every dropout probability set to 0, in place, and returned: float settings named "*drop*" of a config and its
-    sub-configs (`text_config`), or of a built model's modules (which copy them from the config when built, as
-    Llama's attention does) and its `nn.Dropout` modules' `p`."""
-    if isinstance(config_or_model, PretrainedConfig):
-        targets = [config_or_model]
-        for target in targets:  # grows as it goes: sub-configs of sub-configs too
-            targets += [value for value in vars(target).values() if isinstance(value, PretrainedConfig)]
-    else:
-        targets = list(config_or_model.modules())
-        for module in targets:
-            if isinstance(module, torch.nn.Dropout):
-                module.p = 0.0
-    for target in targets:
-        for key, value in vars(target).items():
+    configs = [config]
+    for sub in configs:  # grows as it goes: sub-configs of sub-configs too
+        configs += [value for value in vars(sub).values() if isinstance(value, PretrainedConfig)]
+        for key, value in vars(sub).items():
             if "drop" in key.lower() and isinstance(value, float):
-                setattr(target, key, 0.0)
-    return config_or_model
+                setattr(sub, key, 0.0)
+    model = model_class.from_pretrained(name_or_path, config=config, dtype=torch.float32)
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+    return model
 
 
 def adapt_for_training(model, args, modules_to_save=None, frozen=torch.float32):

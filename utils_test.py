@@ -615,11 +615,23 @@ def opinionated_model_dir(tiny_model_dir, tmp_path_factory):
 @pytest.mark.parametrize("script", [sft, reward, ppo, ppo_multinode])
 def test_dropout_is_off_in_train_mode(opinionated_model_dir, script):
     """Llama's attention copies `attention_dropout` into its own attribute when built: zeroing the config afterwards
-    left it dropping. Two train-mode forwards must be bit-identical, for the LM and the scalar-head class."""
-    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+    left it dropping. Two train-mode forwards must be bit-identical, for the LM and the scalar-head class, and for a
+    model whose code fixes a dropout rate of its own (an `nn.Dropout(0.5)` on the logits)."""
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, LlamaForCausalLM
+
+    class FixedDropoutLlama(LlamaForCausalLM):
+        def __init__(self, config):
+            super().__init__(config)
+            self.logits_dropout = torch.nn.Dropout(0.5)
+
+        def forward(self, **kwargs):
+            out = super().forward(**kwargs)
+            out.logits = self.logits_dropout(out.logits)
+            return out
 
     ids = torch.randint(0, 1000, (2, 12), generator=torch.Generator().manual_seed(0))
-    for model_class, kwargs in [(AutoModelForCausalLM, {}), (AutoModelForSequenceClassification, {"num_labels": 1})]:
+    for model_class, kwargs in [(AutoModelForCausalLM, {}), (AutoModelForSequenceClassification, {"num_labels": 1}),
+                                (FixedDropoutLlama, {})]:
         model = script.load_model(opinionated_model_dir, model_class, **kwargs).train()
         assert model.config.attention_dropout == 0.0
         with torch.no_grad():

@@ -197,6 +197,16 @@ MUTANTS = [
     Mutant("logprobs-without-temperature", "ppo.py", "logprobs from logits not divided by the sampling temperature",
            [(".to(head.weight.dtype)).float() / temperature, dim=-1)", ".to(head.weight.dtype)).float(), dim=-1)")],
            U + "test_rollout_samples_from_softmax_of_logits_over_temperature[ppo]"),
+    Mutant("dropout-zeroed-after-the-build", "ppo.py", "the config's dropout zeroed after the model copied it: PPO's "
+           "ratio is not 1 at the first update",
+           [("                setattr(sub, key, 0.0)\n    model = model_class.from_pretrained(name_or_path, config=config, "
+             "dtype=torch.float32)\n",
+             "                pass\n    model = model_class.from_pretrained(name_or_path, config=config, "
+             "dtype=torch.float32)\n    model.config.attention_dropout = 0.0\n")],
+           U + "test_dropout_is_off_in_train_mode[ppo]", fast=True),
+    Mutant("fixed-dropout-rate-kept", "ppo.py", "an nn.Dropout whose rate the model's code fixes stays on",
+           [("            module.p = 0.0\n    return model", "            pass\n    return model")],
+           U + "test_dropout_is_off_in_train_mode[ppo]"),
     Mutant("score-read-at-mask-sum", "ppo.py", "the RM score read at mask.sum() - 1: a padding slot when left-padded",
            [("    last = (positions * attention_mask).argmax(1)  # index of the rightmost real token of each row",
              "    last = attention_mask.sum(1) - 1")],
