@@ -1515,8 +1515,8 @@ def agree_on_error(accelerator, message):
 
 
 def write_error(path, error):
-    """One line for an error while writing `path`: the OS reason, the free space there (torch's stream writer gives
-    no reason; a full disk shows), and what was kept."""
+    """One line for an error while writing `path`: the OS reason, the free space there (so that a full disk shows
+    even where torch's stream writer gives no reason), and what was kept."""
     reason = getattr(error, "strerror", None) or (str(error).strip().splitlines() or [type(error).__name__])[0]
     with contextlib.suppress(OSError):
         folder = next(p for p in (path, os.path.dirname(os.path.abspath(path))) if os.path.isdir(p))
