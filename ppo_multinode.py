@@ -1819,14 +1819,19 @@ def exit_process(status):
 
 def parse_args(args_class):
     """`tyro.cli(args_class)`, each flag's help its field's docstring as one paragraph (tyro 1.0 keeps the line
-    breaks before a docstring's indented lines, brentyi/tyro#429: sentences broke mid-line in `--help`)."""
+    breaks before a docstring's indented lines, brentyi/tyro#429: sentences broke mid-line in `--help`), and a
+    leading "~" of a value expanded as the shell would have (a quoted `'~/x'` reaches us as it is)."""
     import docstring_parser  # tyro's own dependency: the parser tyro reads the docstrings with
 
     for param in docstring_parser.parse_from_object(args_class).params:
         field = args_class.__dataclass_fields__.get(param.arg_name)
         if field is not None and param.description:  # tyro takes a field's metadata["help"] before its docstring
             field.metadata = {**field.metadata, "help": " ".join(param.description.split())}
-    return tyro.cli(args_class)
+    args = tyro.cli(args_class)
+    for name, value in vars(args).items():
+        if isinstance(value, str) and value.startswith("~"):
+            setattr(args, name, os.path.expanduser(value))
+    return args
 
 
 if __name__ == "__main__":

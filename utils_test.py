@@ -284,6 +284,16 @@ def test_choose_precision(monkeypatch):
         ppo.choose_precision("fp8")
 
 
+@pytest.mark.parametrize("script", [sft, reward, ppo, ppo_multinode], ids=lambda m: m.__name__)
+def test_a_quoted_tilde_is_expanded_like_the_shell_would(script, monkeypatch, tmp_path):
+    """A quoted `--output_dir '~/out'` reaches the script unexpanded; `parse_args` expands a leading "~" as the shell
+    would have, and leaves any other "~" alone."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.setattr(sys, "argv", ["x.py", "--output_dir", "~/out", "--log_dir", "logs~"])
+    args = script.parse_args(script.Args)
+    assert args.output_dir == str(tmp_path / "out") and args.log_dir == "logs~"
+
+
 def test_left_pad_truncates_from_the_left():
     ids, mask = ppo.left_pad([[1, 2, 3, 4], [5]], pad_token_id=0, length=3)
     assert ids.tolist() == [[2, 3, 4], [0, 0, 5]] and mask.tolist() == [[1, 1, 1], [0, 0, 1]]

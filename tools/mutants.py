@@ -126,6 +126,10 @@ MUTANTS = [
              '        check_divergence(metrics, args.max_approxkl, update)\n'
              '        if stop:\n            raise Preempted(f"{stop} after update {update}')],
            F + "test_divergence_stops_the_run_and_keeps_earlier_checkpoints"),
+    Mutant("quoted-tilde-kept", "sft.py", "a quoted `'~/x'` flag is taken literally: a folder named ~ in the cwd",
+           [('        if isinstance(value, str) and value.startswith("~"):',
+             '        if isinstance(value, str) and value.startswith("~") and False:')],
+           U + "test_a_quoted_tilde_is_expanded_like_the_shell_would[sft]", fast=True),
     # --- SFT and reward-model maths -------------------------------------------------------------------------------
     Mutant("labels-on-prompt", "sft.py", "SFT trains on the prompt tokens too",
            [("        labels[row, start : len(ids)] = torch.tensor(ids[start:])",
