@@ -187,8 +187,6 @@ class Args:
     eval_reward_fn: Optional[str] = None
     """A judge PPO never optimises, `module:function` (the --reward_fn interface; not `model`), e.g.
     imdb_gold_reward:sentiment: an independent second reading of the held-out samples (eval/gold_scores). None: none."""
-    num_sample_generations: int = 8
-    """(query, response, score) rows per evaluation to tensorboard, of the main process's held-out prompts."""
     seed: int = 1
     """Seeds python, numpy and torch; process i samples with seed + i so processes draw different rollouts."""
     save_every: int = 0
@@ -294,8 +292,8 @@ def sharded_generation_context(accelerator, model, gather=False):
 @torch.no_grad()
 def evaluate(accelerator, models, reward_fns, tokenizer, eval_queries, args, stop_token_id, synced_gpus, rng_devices):
     """Sample and score (`compute_scores`) the fixed held-out queries' responses with a fixed seed, `models` = (policy,
-    ref_policy, value_model), `reward_fns` = (reward, judge or None); returns a few (query, response, score) rows and
-    metrics over all processes: eval/kl as objective/kl; eval/scores the bare reward (objective/scores has the
+    ref_policy, value_model), `reward_fns` = (reward, judge or None); returns this process's (query, response, score)
+    rows and metrics over all processes: eval/kl as objective/kl; eval/scores the bare reward (objective/scores has the
     missing-EOS penalty and score clip); eval/gold_scores the judge's (--eval_reward_fn); `diversity`'s."""
     query_ids, query_mask = (t.to(accelerator.device) for t in eval_queries)
     # autocast: sampled and scored in the training forward's precision (accelerate autocasts only that), ratio 1 at lr 0
@@ -317,7 +315,7 @@ def evaluate(accelerator, models, reward_fns, tokenizer, eval_queries, args, sto
         mean, var = global_masked_stats(accelerator, value, torch.ones_like(kl))
         metrics.update({name: mean.item(), f"{name}_std": var.sqrt().item()} if name in judged else {name: mean.item()})
     metrics.update(diversity(gather_object(outputs)))
-    return metrics, list(zip(prompts, outputs, judged["eval/scores"].tolist()))[: args.num_sample_generations]
+    return metrics, list(zip(prompts, outputs, judged["eval/scores"].tolist()))
 
 
 def diversity(responses):
@@ -768,7 +766,7 @@ def main(args: Args):
 # ===============================================================================================================
 # Settings that do not change what is trained: a checkpoint may be resumed with other values for them.
 NOT_TRAINING_CONFIG = {"resume_from", "save_every", "save_total_limit", "checkpoint_dir", "run_name", "log_dir",
-                       "output_dir", "overwrite_output_dir", "dist_timeout_s", "eval_every", "num_sample_generations",
+                       "output_dir", "overwrite_output_dir", "dist_timeout_s", "eval_every",
                        "gradient_checkpointing", "lora_share_backbones",  # memory only
                        "max_approxkl", "reward_batch_size", "reward_device"}
 

@@ -183,8 +183,8 @@ def run_size(args):
             temperature=0.7, stop_token="none", missing_eos_penalty=None, total_episodes=n_prompts,
             batch_size=args.rollouts, num_mini_batches=args.num_mini_batches, gradient_accumulation_steps=1,
             ppo_epochs=args.ppo_epochs, learning_rate=3e-6, kl_coef=0.05,
-            local_rollout_forward_batch_size=args.rollouts, eval_every=10**9, eval_prompts=2,
-            num_sample_generations=0, seed=args.seed, **MODES[args.mode],
+            local_rollout_forward_batch_size=args.rollouts, eval_every=10**9, eval_prompts=2, seed=args.seed,
+            **MODES[args.mode],
             **ours_ppo.precision_kwargs(ppo, args.precision))
         # The final save is outside the timed updates and would write fp32 policy + value (8.6 GB for 1b): skipped.
         # The peak memory counter is reset at the first sampling (the evaluation before update 1): models loaded.

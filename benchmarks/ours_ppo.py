@@ -246,7 +246,7 @@ def run_ppo(args, folder, model_info, work):
         total_episodes=n_prompts, batch_size=args.rollouts, num_mini_batches=NUM_MINIBATCHES,
         gradient_accumulation_steps=1, ppo_epochs=PPO_EPOCHS, learning_rate=args.lr, kl_coef=KL_COEF,
         local_rollout_forward_batch_size=args.rollouts,
-        eval_every=10**9, eval_prompts=EVAL_PROMPTS, num_sample_generations=0, seed=args.seed,
+        eval_every=10**9, eval_prompts=EVAL_PROMPTS, seed=args.seed,
         **precision_kwargs(ppo, args.precision))
     out, marks, main_total_s = timed_main(ppo, ppo_args, file_order=not args.ppo_prompt_order)
 
