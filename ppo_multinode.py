@@ -19,13 +19,15 @@ One update:
   (1) rollout   each process samples responses to a batch of prompts (queries) from the policy
   (2) process   responses are cut after the first stop token (EOS); later tokens are padding
   (3) score     forward passes give the policy's logprobs, the reference's ref_logprobs and the values; the reward
-                function scores each query+response text (a response that never stops is penalised)
+                function scores each query+response (a reward model of the policy's vocabulary reads its token ids,
+                EOS included; a `module:function` gets the texts too); a response that never stops is penalised
   (4) rewards   per token: -kl_coef * (logprob - ref_logprob), plus the score on the last real response token
   (5) GAE       advantages and returns over the response only
   (6) PPO       `ppo_epochs` epochs; each reshuffles the batch and takes one optimizer step per minibatch, summing
                 gradients over microbatches; clipped policy loss + vf_coef * clipped value loss
   (7) log/save  batch-level metrics over all samples of all processes; a fixed held-out prompt set is scored
-                at the start, every `eval_every` updates and at the end; policy and value model saved at the end
+                at the start of a fresh run, every `eval_every` updates and at the end; policy and value model
+                saved at the end
 
 The reward is `--reward_fn model` (the reward model) or your own `module:function` such as
 `imdb_rule_reward:positive_words`, called on the samples' text and token ids (the contract: `import_reward_fn`).
@@ -146,7 +148,8 @@ class Args:
     kl_coef: float = 0.05
     """Initial weight of the per-token KL penalty (beta)."""
     kl_target: Optional[float] = None
-    """If set, adapt kl_coef to keep objective/kl (nats per sequence) near this (Ziegler et al. 2019; their code: 6)."""
+    """If set, adapt kl_coef to keep objective/kl (nats per sequence) near this (Ziegler et al. 2019; their code's
+    sentiment and descriptiveness runs: 6)."""
     kl_horizon: int = 10000
     """Adaptive KL horizon, in episodes: how fast kl_coef moves towards the target."""
     whiten_rewards: bool = False
@@ -174,7 +177,8 @@ class Args:
     kept): for about a third more compute, activation memory of one layer instead of all; the same gradients."""
     lora_share_backbones: bool = True
     """With --lora_r: the reference is the policy with its adapter off, and the reward model the value model with its
-    adapter off when the value model starts from it, so the four roles need two backbones; False loads them apart.
+    adapter off when the value model starts from it: the four roles then need two backbones (three when the value
+    model starts from the SFT model); False loads them apart.
     Under ZeRO-3 and FSDP the reward model is loaded apart regardless: the main process scores alone."""
     gather_for_generation: bool = True
     """ZeRO-3, FSDP version 2: gather policy and value model whole once per generation, not each layer at every new
@@ -200,7 +204,8 @@ class Args:
     mixed_precision: str = "auto"
     """`bf16`, `fp16` or `no` (float32): autocast's matrix products and the frozen linear layers' dtype; trained
     weights, optimizer state, logprobs, values, losses stay float32 (DeepSpeed, FSDP: their own bf16). `auto`: the
-    launcher's (`no` without its flag or config), else bf16 if the hardware has it (CUDA, AVX512-BF16, AMX); logged."""
+    launcher's (`no` without its flag or config), else bf16 where the hardware has it natively (CUDA GPUs from
+    Ampere on, AVX512-BF16/AMX CPUs); logged."""
     dist_timeout_s: int = 900
     """Seconds a process waits in a collective, the reward call included, before giving up (none can hang the rest)."""
     log_dir: str = "runs/tensorboard"
@@ -292,9 +297,10 @@ def sharded_generation_context(accelerator, model, gather=False):
 @torch.no_grad()
 def evaluate(accelerator, models, reward_fns, tokenizer, eval_queries, args, stop_token_id, synced_gpus, rng_devices):
     """Sample and score (`compute_scores`) the fixed held-out queries' responses with a fixed seed, `models` = (policy,
-    ref_policy, value_model), `reward_fns` = (reward, judge or None); returns this process's (query, response, score)
-    rows and metrics over all processes: eval/kl as objective/kl; eval/scores the bare reward (objective/scores has the
-    missing-EOS penalty and score clip); eval/gold_scores the judge's (--eval_reward_fn); `diversity`'s."""
+    ref_policy, value_model), `reward_fns` = (reward, judge or None); returns metrics over all processes and this
+    process's (query, response, score) rows. Metrics: eval/kl as objective/kl; eval/scores the bare reward
+    (objective/scores has the missing-EOS penalty and score clip); eval/gold_scores the judge's (--eval_reward_fn);
+    `diversity`'s."""
     query_ids, query_mask = (t.to(accelerator.device) for t in eval_queries)
     # autocast: sampled and scored in the training forward's precision (accelerate autocasts only that), ratio 1 at lr 0
     with torch.random.fork_rng(devices=[accelerator.device] if accelerator.device.type == "cuda" else []), \
@@ -321,9 +327,9 @@ def evaluate(accelerator, models, reward_fns, tokenizer, eval_queries, args, sto
 def diversity(responses):
     """How varied the held-out responses (all processes') are, over lower-cased words split at whitespace:
     eval/distinct_1 and eval/distinct_2, distinct word n-grams / all n-grams (1 when nothing repeats, 0 when there
-    are none; Li et al. 2016, "A Diversity-Promoting Objective Function for Neural Conversation Models", divide by the
-    generated tokens instead); eval/top_trigram_share, the most frequent word 3-gram's share of all 3-grams: a policy
-    that ends every response with one stock phrase raises it."""
+    are none; Li et al. 2016, "A Diversity-Promoting Objective Function for Neural Conversation Models", divide both by
+    the generated words: the same for distinct_1); eval/top_trigram_share, the most frequent word 3-gram's share of
+    all 3-grams: a policy that ends every response with one stock phrase raises it."""
     words = [response.lower().split() for response in responses]
     counts = [Counter(tuple(w[i : i + n]) for w in words for i in range(len(w) - n + 1)) for n in (1, 2, 3)]
     return {"eval/distinct_1": len(counts[0]) / max(counts[0].total(), 1),
@@ -387,7 +393,7 @@ def rollout_forward_passes(models, query_ids, query_mask, responses, response_ma
         chunk = slice(i, i + args.local_rollout_forward_batch_size)
         qr, am = query_responses[chunk], attention_mask[chunk]
         out["logprobs"].append(response_logprobs(policy, qr, am, query_ids.shape[1], args.temperature)[0])
-        with adapters_off(ref_policy):  # under LoRA the reference is the policy, adapter off (`load_models`)
+        with adapters_off(ref_policy):  # with --lora_share_backbones: the policy, adapter off
             out["ref_logprobs"].append(response_logprobs(ref_policy, qr, am, query_ids.shape[1], args.temperature)[0])
         if value_model is not None:  # evaluation reads no values: it passes None and skips this pass
             out["values"].append(token_values(value_model, qr, am, query_ids.shape[1]))
@@ -552,10 +558,11 @@ def ppo_losses(new_logprobs, logprobs, advantages, new_values, values, returns, 
     tokens. Returns `(pg_loss, vf_loss, stats)`: the losses are sums over the masked tokens divided by `n_tokens`
     (0-dim; default `mask.sum()`, the token mean); `stats` maps names to `(sum, count)` pairs of 0-dim tensors, reduced
     over microbatches and processes before dividing (`(max, 1)` for the max |log ratio|). The value loss is the larger
-    squared error, x 0.5. A clip fraction is the share of real tokens whose clipped term is the larger (no gradient),
-    as in lm-human-preferences and SFFD: advantage -1 at ratio 1.5 is not counted (cleanrl counts every ratio outside
-    the range). New values are clamped to the range as in SFFD (cleanrl and ppo2 add a clamped step to `values`: 1 ulp
-    off inside the range, that sum can count as clipped)."""
+    squared error, x 0.5. A clip fraction is the share of real tokens whose clipped term is the larger (no gradient;
+    lm-human-preferences and SFFD test the same, averaged over every position, padding included): advantage -1 at
+    ratio 1.5 is not counted (cleanrl counts every ratio outside the range). New values are clamped to the range as
+    in SFFD (cleanrl and ppo2 add a clamped step to `values`: 1 ulp off inside the range, that sum can count as
+    clipped)."""
     count = mask.sum()
     n_tokens = count if n_tokens is None else n_tokens
     log_ratio = (new_logprobs - logprobs) * mask

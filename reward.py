@@ -17,7 +17,7 @@ are chosen over those of a negative one (reviews end with their verdict), each p
 review, so the reward model learns to score positive sentiment, not fit to the prompt.
 
 Run it (after `python sft.py`: its output folder is this script's default model):
-    python reward.py                                # CPU, default offline config (SmolLM2-135M, IMDB)
+    python reward.py                                # one process (its GPU if any), SmolLM2-135M, IMDB
     accelerate launch reward.py                     # all GPUs if no config file, else what it says
     accelerate launch --config_file configs/multi_gpu.yaml reward.py          # 8 GPUs, DDP
     accelerate launch --config_file configs/deepspeed_zero2.yaml reward.py    # 8 GPUs, ZeRO-2

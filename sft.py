@@ -13,7 +13,7 @@ Hub), written once by `python prepare.py` (its `build_imdb` has the fixed split)
 
 Run it:
     python prepare.py                               # once: the default model and data (models/, data/)
-    python sft.py                                   # CPU, default offline config (SmolLM2-135M, IMDB)
+    python sft.py                                   # one process (its GPU if any), SmolLM2-135M, IMDB
     accelerate launch sft.py                        # all GPUs if no config file, else what it says
     accelerate launch --config_file configs/multi_gpu.yaml sft.py          # 8 GPUs, DDP
     accelerate launch --config_file configs/deepspeed_zero2.yaml sft.py    # 8 GPUs, ZeRO-2
