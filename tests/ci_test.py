@@ -1,5 +1,6 @@
 """What CI itself relies on, checked: the mutation list still fits the code, the fast mutants are caught, the GPU
-benchmark runs in its CPU smoke mode, and a missing package fails CI instead of skipping.
+benchmark runs in its CPU smoke mode, every test file is collected, and a missing package fails CI instead of
+skipping.
 
     python -m pytest tests/ci_test.py  # a few minutes on 2 CPU cores (the fast mutants, the GPU benchmark's smoke mode)
 
@@ -22,6 +23,19 @@ def test_every_mutant_still_applies():
                           stderr=subprocess.STDOUT, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout[-3000:]
     assert proc.stdout.splitlines()[-1].endswith(" mutants, 0 broken"), proc.stdout[-3000:]
+
+
+def test_ci_collects_every_test_file():
+    """pytest.ini's `testpaths` (what a bare `python -m pytest`, so CI, runs) names every test file: a file left out
+    would never run, and its mutants' proofs would hold only when someone runs it by hand."""
+    import configparser
+    import glob
+
+    config = configparser.ConfigParser()
+    config.read(os.path.join(HERE, "pytest.ini"))
+    listed = set(config["pytest"]["testpaths"].split())
+    on_disk = {os.path.relpath(p, HERE) for p in glob.glob(os.path.join(HERE, "**", "*_test.py"), recursive=True)}
+    assert on_disk - listed == set() and listed - on_disk == set(), (on_disk - listed, listed - on_disk)
 
 
 def test_fast_mutants_are_caught(tmp_path):

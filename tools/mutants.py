@@ -130,6 +130,9 @@ MUTANTS = [
            [('        if isinstance(value, str) and value.startswith("~"):',
              '        if isinstance(value, str) and value.startswith("~") and False:')],
            U + "test_a_quoted_tilde_is_expanded_like_the_shell_would[sft]", fast=True),
+    Mutant("test-file-not-collected", "pytest.ini", "a test file left out of CI: its tests and mutants never run",
+           [(" tests/prepare_test.py", "")],
+           "tests/ci_test.py::test_ci_collects_every_test_file", fast=True),
     # --- SFT and reward-model maths -------------------------------------------------------------------------------
     Mutant("labels-on-prompt", "sft.py", "SFT trains on the prompt tokens too",
            [("        labels[row, start : len(ids)] = torch.tensor(ids[start:])",
