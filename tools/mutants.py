@@ -266,8 +266,8 @@ MUTANTS = [
            F + "test_a_reward_that_raises_on_the_main_process_stops_every_process_naming_it"),
     # --- LoRA and gradient checkpointing (issue 20) ----------------------------------------------------------------
     Mutant("reference-keeps-the-adapter", "ppo.py", "LoRA: the shared reference is the trained policy (adapter on)",
-           [("        with adapters_off(ref_policy):  # under LoRA",
-             "        with contextlib.nullcontext():  # under LoRA")],
+           [("        with adapters_off(ref_policy):  # with --lora_share_backbones",
+             "        with contextlib.nullcontext():  # with --lora_share_backbones")],
            L + "test_two_backbones_run_exactly_as_four_models"),
     Mutant("reward-from-the-value-model", "ppo.py", "LoRA: the shared reward model scores with the value adapter on",
            [("            with adapters_off(reward_model):", "            with contextlib.nullcontext():")],
