@@ -1,6 +1,6 @@
 """Launch every 2-process config of every script many times and count the launches that did not exit 0.
 
-    python tools/exit_stress.py --launches 200          # spread evenly over the configs (about 1 h 40 min here)
+    python tools/exit_stress.py --launches 200          # spread evenly over the configs (time: docs/reliability.md)
     python tools/exit_stress.py --per_config 1          # one launch of each config (CI's short version)
     python tools/exit_stress.py --configs reward-fsdp --per_config 20 --core_dumps /tmp/cores
 
