@@ -15,7 +15,7 @@ One update:
                 saved at the end
 
 Run it (defaults read `sft.py`'s and `reward.py`'s default outputs):
-    python ppo.py                                           # one process (its GPU if any), SmolLM2-135M, IMDB
+    python ppo.py                                           # one process (its GPU if any), IMDB
     accelerate launch --multi_gpu --num_processes 2 ppo.py  # 2 GPUs; CPUs need ACCELERATE_USE_CPU=true (gloo)
     accelerate launch --config_file configs/multi_gpu.yaml ppo.py        # 8 GPUs, DDP
     accelerate launch --config_file configs/deepspeed_zero2.yaml ppo.py  # 8 GPUs, ZeRO-2 (tested on 2 CPU processes)
@@ -188,7 +188,7 @@ class Args:
     """`bf16`, `fp16` or `no` (float32): autocast's matrix products and the frozen linear layers' dtype; trained
     weights, optimizer state, logprobs, values, losses stay float32 (DeepSpeed, FSDP: their own bf16). `auto`: the
     launcher's (`no` without its flag or config), else bf16 where the hardware has it natively (CUDA GPUs from
-    Ampere on, AVX512-BF16/AMX CPUs); logged."""
+    Ampere on, ROCm GPUs, AVX512-BF16/AMX CPUs); logged."""
     dist_timeout_s: int = 900
     """Seconds a process waits in a collective before giving up (one failed process cannot hang the others)."""
     log_dir: str = "runs/tensorboard"

@@ -205,7 +205,7 @@ class Args:
     """`bf16`, `fp16` or `no` (float32): autocast's matrix products and the frozen linear layers' dtype; trained
     weights, optimizer state, logprobs, values, losses stay float32 (DeepSpeed, FSDP: their own bf16). `auto`: the
     launcher's (`no` without its flag or config), else bf16 where the hardware has it natively (CUDA GPUs from
-    Ampere on, AVX512-BF16/AMX CPUs); logged."""
+    Ampere on, ROCm GPUs, AVX512-BF16/AMX CPUs); logged."""
     dist_timeout_s: int = 900
     """Seconds a process waits in a collective, the reward call included, before giving up (none can hang the rest)."""
     log_dir: str = "runs/tensorboard"

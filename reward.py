@@ -17,7 +17,7 @@ are chosen over those of a negative one (reviews end with their verdict), each p
 review, so the reward model learns to score positive sentiment, not fit to the prompt.
 
 Run it (after `python sft.py`: its output folder is this script's default model):
-    python reward.py                                # one process (its GPU if any), SmolLM2-135M, IMDB
+    python reward.py                                # one process (its GPU if any), IMDB
     accelerate launch reward.py                     # all GPUs if no config file, else what it says
     accelerate launch --config_file configs/multi_gpu.yaml reward.py          # 8 GPUs, DDP
     accelerate launch --config_file configs/deepspeed_zero2.yaml reward.py    # 8 GPUs, ZeRO-2
@@ -31,12 +31,12 @@ Anthropic HH, harmless-base (`python prepare.py chat`: conversations, in the mod
         --max_prompt_length 128 --max_length 192
 
 Follows: Stiennon et al. 2020 "Learning to summarize from human feedback" (pairwise loss on the final token's score,
-head initialised from N(0, 1/(d_model+1)), scores shifted before RL so that the dataset's reference summaries score 0
-on average: here the held-out chosen and rejected replies do, as IMDB has no reference replies); Ouyang et al. 2022
-"Training language models to follow instructions with human feedback" (InstructGPT), section 3.5 (RM from the SFT
-model, one epoch at most); Huang et al. 2024 "The N+ Implementation Details of RLHF with PPO: A Case Study on TL;DR
-Summarization" and its code, vwxyzjn/summarize_from_feedback_details (head init, the score read at the EOS token; its
-bias is the mean score of the SFT data's reference summaries); Bradley & Terry 1952.
+the head drawn with std 1/sqrt(d_model+1) as their code does, scores shifted before RL so that the dataset's reference
+summaries score 0 on average: here the held-out chosen and rejected replies do, as IMDB has no reference replies);
+Ouyang et al. 2022 "Training language models to follow instructions with human feedback" (InstructGPT), section 3.5
+(RM from the SFT model, a single epoch); Huang et al. 2024 "The N+ Implementation Details of RLHF with PPO: A Case
+Study on TL;DR Summarization" and its code, vwxyzjn/summarize_from_feedback_details (head init, the score read at
+the EOS token; its bias is the mean score of the SFT data's reference summaries); Bradley & Terry 1952.
 """
 
 import atexit
@@ -97,17 +97,15 @@ class Args:
     IMDB sequences whole (a review ending is at most 24 words) and each CPU step short."""
     # --- optimisation ---
     learning_rate: float = 1e-4
-    """AdamW peak learning rate. Measured on the default run in float32 (an earlier session): 3e-5 reaches 0.80
-    held-out accuracy, 1e-4 0.86 and 2e-4 no more; a short run needs the larger steps (long runs on big models use
-    ~1e-5)."""
+    """AdamW peak learning rate: high because the default run is short (long runs on big models use ~1e-5)."""
     per_device_train_batch_size: int = 8
     """Preference pairs per process per forward pass (2x as many sequences: chosen and rejected share the pass)."""
     gradient_accumulation_steps: int = 1
     """Forward passes accumulated per optimizer step; global batch = this x batch size x processes (in pairs)."""
     max_steps: int = 60
     """Optimizer steps. 60 x 8 = 480 pairs (a fifteenth of an epoch of IMDB's 7,500) reach the held-out accuracy of
-    README's table (80 steps did no better in an earlier float32 run). InstructGPT trains its RM for one epoch at most:
-    more overfits."""
+    README's table. InstructGPT trains its RM for a single epoch (one pass already overfit where a prompt's
+    comparisons were shuffled apart, not batched together)."""
     warmup_ratio: float = 0.1
     """Fraction (0-1) of `max_steps` warming up linearly from 0 (if > 0, step 1 has rate 0); then linear decay to 0."""
     weight_decay: float = 0.0
@@ -136,7 +134,8 @@ class Args:
     eval_every: int = 30
     """Optimizer steps between held-out evaluations (also run at the start of a fresh run and at the end)."""
     eval_samples: int = 256
-    """Held-out pairs used for accuracy, loss and the reward bias (a fixed prefix of the held-out split). 256 give
+    """Held-out pairs used for accuracy, loss and the reward bias (a fixed prefix of the held-out split; with N
+    processes, the largest multiple of N). 256 give
     the accuracy to about +-0.03, one standard error (IMDB holds each pair twice, after either review's prompt)."""
     num_table_examples: int = 4
     """Held-out pairs written to tensorboard, with their scores, at each evaluation."""
@@ -156,7 +155,7 @@ class Args:
     base's linear layers; trained weights, optimizer state, scores and the loss stay float32 (under DeepSpeed and
     FSDP bf16 is the engine's own: docs/implementation.md). `auto`: `accelerate launch`'s setting (its
     --mixed_precision or config file; `no` with neither), else (plain `python`) bf16 where the hardware multiplies in
-    bf16 natively (CUDA GPUs from Ampere on, AVX512-BF16/AMX CPUs), else `no`; logged."""
+    bf16 natively (CUDA GPUs from Ampere on, ROCm GPUs, AVX512-BF16/AMX CPUs), else `no`; logged."""
     dist_timeout_s: int = 900
     """Seconds a process waits in a collective before giving up, so one failed process cannot hang the others."""
     log_dir: str = "runs/tensorboard"
@@ -265,7 +264,7 @@ def evaluate_pairs(accelerator, model, eval_pairs, batch_size, pad_token_id):
 
 def score_table(rows, scores):
     """Markdown table of held-out pairs and their scores: `rows` a list of dicts with `prompt`, `chosen`,
-    `rejected`; `scores` (len(rows), 2) float32. Long prompts are shown by their last 200 characters."""
+    `rejected`; `scores` (len(rows), 2) float32. A cell of over 200 characters shows "..." and its last 200."""
 
     def cell(text):
         text = text if len(text) <= 200 else "..." + text[-200:]
@@ -324,8 +323,8 @@ def pair_stats(scores):
     # DeepSpeed-Chat (Yao et al. 2023) trains a per-token variant instead: the head scores every position, and the
     # loss for a pair is -log sigmoid(r_chosen[t] - r_rejected[t]) averaged over the positions t from the first token
     # where the two sequences differ to the end of the longer one (positions past the shorter one's end read the
-    # scores of its padding). Every reply token then gets a training signal. PPO reads only the score at the last
-    # token, so, like Stiennon et al. 2020, this script trains exactly that score.
+    # scores of its padding). PPO reads only the score at the last token, so, like Stiennon et al. 2020, this script
+    # trains exactly that score.
     return -F.logsigmoid(chosen - rejected), (chosen > rejected).float(), chosen, rejected
 
 
@@ -395,7 +394,7 @@ def main(args: Args):
 
     # --- 2. model, optimizer, schedule ------------------------------------------------------------------------------
     model = load_model(args.model_name_or_path, AutoModelForSequenceClassification, num_labels=1)
-    # The head is new (the SFT model had an LM head). Stiennon et al. 2020 draw it from N(0, 1/(d_model+1)), so the
+    # The head is new (the SFT model had an LM head). Stiennon et al.'s code draws it with std 1/sqrt(d_model+1), so the
     # first scores have roughly unit scale whatever the hidden size; also re-drawn when starting from a trained RM.
     # Under ZeRO-3 the model is built partitioned (`load_model`) and the head is an empty placeholder, into which a
     # draw would silently do nothing: it is gathered whole, drawn on process 0 and partitioned again from that copy.

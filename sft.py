@@ -13,7 +13,7 @@ Hub), written once by `python prepare.py` (its `build_imdb` has the fixed split)
 
 Run it:
     python prepare.py                               # once: the default model and data (models/, data/)
-    python sft.py                                   # one process (its GPU if any), SmolLM2-135M, IMDB
+    python sft.py                                   # one process (its GPU if any), SmolLM2-135M-Instruct, IMDB
     accelerate launch sft.py                        # all GPUs if no config file, else what it says
     accelerate launch --config_file configs/multi_gpu.yaml sft.py          # 8 GPUs, DDP
     accelerate launch --config_file configs/deepspeed_zero2.yaml sft.py    # 8 GPUs, ZeRO-2
@@ -123,7 +123,8 @@ class Args:
     eval_every: int = 40
     """Optimizer steps between held-out evaluations (also run at the start of a fresh run and at the end)."""
     eval_samples: int = 128
-    """Held-out examples used for the eval loss (a fixed prefix of the held-out split)."""
+    """Held-out examples used for the eval loss (a fixed prefix of the held-out split; with N processes, the largest
+    multiple of N)."""
     num_sample_generations: int = 4
     """Held-out prompts whose greedy completions are written to tensorboard at each evaluation."""
     seed: int = 1
@@ -142,7 +143,7 @@ class Args:
     base's linear layers; trained weights, optimizer state and the loss stay float32 (under DeepSpeed and FSDP bf16
     is the engine's own: docs/implementation.md). `auto`: `accelerate launch`'s setting (its --mixed_precision or
     config file; `no` with neither), else (plain `python`) bf16 where the hardware multiplies in bf16 natively (CUDA
-    GPUs from Ampere on, AVX512-BF16/AMX CPUs), else `no`; logged."""
+    GPUs from Ampere on, ROCm GPUs, AVX512-BF16/AMX CPUs), else `no`; logged."""
     dist_timeout_s: int = 900
     """Seconds a process waits in a collective before giving up, so one failed process cannot hang the others."""
     log_dir: str = "runs/tensorboard"
