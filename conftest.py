@@ -3,8 +3,9 @@
 The scripts' `--mixed_precision auto` takes what `accelerate launch` was told (ACCELERATE_MIXED_PRECISION) and
 otherwise picks bf16 on hardware that has it, this project's CPUs included. The tests compare runs with each other
 at float32 tolerances (1e-6) and call `main()` in one process, where accelerate keeps one precision per process: so
-they run in float32 unless they ask for bf16 themselves (utils_test.py and tests/resume_test.py have bf16 tests, run in
-subprocesses). Set ACCELERATE_MIXED_PRECISION yourself to run the suite in another precision.
+they run in float32 unless they ask for bf16 themselves (tests/memory_test.py autocasts in bf16 itself;
+tests/resume_test.py, tests/sharded_test.py and tests/ci_test.py run bf16 in subprocesses). Set
+ACCELERATE_MIXED_PRECISION yourself to run the suite in another precision.
 
 Prepared inputs. The scripts' defaults read what `python prepare.py` writes (models/SmolLM2-135M-Instruct, data/imdb,
 data/hh), and so do the tests: at the start of a session whatever of it is missing is prepared, as README's Quick

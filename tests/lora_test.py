@@ -1,4 +1,5 @@
-"""LoRA (peft) and gradient checkpointing in the four scripts, tested on a tiny random model. No network.
+"""LoRA (peft) and gradient checkpointing in sft.py, reward.py and ppo.py (ppo_multinode.py: sharded_test.py),
+tested on a tiny random model. No network.
 
     python -m pytest tests/lora_test.py
 
@@ -8,7 +9,7 @@
 - a saved LoRA output is merged: `from_pretrained` loads it as a plain model that computes what the adapted model
   did, and peft loads the adapter saved beside it onto the base model to the same numbers;
 - the whole pipeline under LoRA: SFT -> RM -> PPO, the PPO run with its four roles on two backbones equal to the run
-  with four separate models; at learning rate 0 every PPO ratio is exactly 1;
+  with four separate models; at learning rate 0 every PPO ratio is 1 (|log ratio| < 1e-6);
 - `--gradient_checkpointing` really recomputes, and one run with it ends with the weights of one without (1e-5);
 - the memory planner (benchmarks/memory.py) counts exactly the parameters the models and adapters hold.
 (resume_test.py and sharded_test.py run resume, 1 x 2 = 2 x 1 microbatches and ZeRO-2/3 with LoRA too.)
@@ -175,7 +176,7 @@ def lora_chain(tiny_model_dir, tmp_path_factory):  # noqa: F811
 def test_lora_outputs_are_merged_models_with_their_adapter_beside(lora_chain, tiny_model_dir):  # noqa: F811
     """Every stage's output loads with from_pretrained as a plain model; the LoRA SFT output fed reward.py and
     ppo.py; the adapter saved beside the PPO policy, put by peft on the SFT model, computes what the merged policy
-    does. Frozen weights the adapters do not touch (embeddings, norms) are the base model's exactly."""
+    does. A frozen weight the adapters do not touch (the SFT output's final norm) is the base model's exactly."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
@@ -204,7 +205,7 @@ def test_lora_outputs_are_merged_models_with_their_adapter_beside(lora_chain, ti
 
 def test_two_backbones_run_exactly_as_four_models(lora_chain):
     """--lora_share_backbones (reference = policy with its adapter off, reward model = value model with its adapter
-    off) gives the same run as separately loaded reference and reward models: the same metrics, the same weights."""
+    off) gives the same run as separately loaded reference and reward models: the same metrics and weights, to 1e-6."""
     out, shared = lora_chain
     apart = ppo.main(ppo_args(out, "ppo_apart", lora_share_backbones=False))
     for a, b in zip(shared["history"], apart["history"]):

@@ -200,7 +200,7 @@ def test_kill_and_resume_equals_uninterrupted(stage, precision, tiny_model_dir, 
         for step, value in values.items():
             assert want[tag][step] == pytest.approx(value, abs=1e-6, rel=1e-6), f"{tag} at step {step}"
             compared += 1
-    assert compared >= 3  # the resumed run logged steps 4-6
+    assert compared >= 3  # at least 3 values compared
 
 
 @pytest.mark.parametrize("script", ["ppo.py", "ppo_multinode.py"])

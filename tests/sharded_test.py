@@ -234,7 +234,8 @@ def test_zero2_equals_ddp(stage, tiny_model_dir, tiny_rm_dir, tmp_path):  # noqa
 def test_ppo_multinode_equals_ddp(config, lora_r, tiny, tmp_path):  # noqa: F811
     """ppo_multinode.py under ZeRO-2 and ZeRO-3 takes the same 2 updates as under DDP on 2 processes, also with LoRA
     adapters (rank 4; the reference is the partitioned policy with its adapter off). Under ZeRO-3 the policy and
-    value model are partitioned, so generation runs in step (synced_gpus) and saving gathers them
+    value model are partitioned, so generation first gathers them whole (--gather_for_generation, the default; no
+    synced_gpus) and saving gathers them
     (`zero3_save_16bit_model`, in float32 here since mixed precision is off)."""
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
@@ -488,8 +489,8 @@ def test_ppo_multinode_fsdp_equals_ddp(version, tiny, tmp_path):  # noqa: F811
     """ppo_multinode.py under configs/fsdp.yaml (FSDP version 1 through accelerate, each decoder layer a unit,
     really sharded on 2 CPU processes: `launch_fsdp`), and under configs/fsdp2.yaml (version 2, `fully_shard`),
     takes the same 2 updates as under DDP: the same logged metrics and saved weights, and the saved models load with
-    from_pretrained. Generation runs in step (synced_gpus) with the root unit's weights gathered
-    (`sharded_generation_context`)."""
+    from_pretrained. Version 1 generates in step (synced_gpus) with the root unit's weights
+    gathered; version 2 gathers every unit once, without synced_gpus (`sharded_generation_context`)."""
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
     for name in ("ddp", "fsdp"):
@@ -680,7 +681,7 @@ def test_zero3_generation_gathers_once_or_stays_in_step(tiny, tmp_path):  # noqa
     synced generation keeps process 0 stepping until process 1 is done. The layer-by-layer run with synced generation
     turned off must fail, and fail fast: process 0 leaves generation and its next gathers no longer match process
     1's (gloo sees the mismatched sizes at once, about 10 s in all; gathers that happened to match would hang until
-    --dist_timeout_s, 20 s), not a hang until the test's timeout. So the test tells the ways apart."""
+    --dist_timeout_s, 20 s), not a hang until the test's timeout: it must fail within 150 s."""
     driver = tmp_path / "uneven_generation.py"
     driver.write_text(UNEVEN_GENERATION)
     outputs, reports = {}, {}
@@ -845,7 +846,7 @@ script.run_as_command(script.main, tyro.cli(script.Args))
 def test_zero2_saves_from_the_main_process_alone(tiny_model_dir, tiny_rm_dir, tmp_path):  # noqa: F811
     """Under ZeRO-2 every process holds the whole weights, so only the main process takes the state dict to save
     (accelerate's would be a clone of the whole model on every process): the other process never calls
-    `get_state_dict`, and the saved policy is complete."""
+    `get_state_dict`, and a policy file is saved."""
     driver = tmp_path / "state_dict_probe.py"
     driver.write_text(STATE_DICT_PROBE)
     cmd = stage_command("ppo", tiny_model_dir, tiny_rm_dir, str(tmp_path / "out"), "probe")
