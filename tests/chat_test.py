@@ -43,7 +43,8 @@ def test_conversations_render_as_the_chat_template_does(tokenizer, tmp_path):
     """For each format (`messages`; `prompt` + `completion`; `prompt` + `chosen`/`rejected`; `chosen`/`rejected`
     alone, a second turn included), prompt + reply + EOS is the template's rendering of the whole conversation, up to
     the whitespace the template puts after the last end of turn; the prompt is the template's with the assistant's
-    turn opened. The three stages read the same text."""
+    turn opened. The three stages read the same text (reward.py and ppo.py hold
+    the same `load_splits`)."""
     history = [turn("user", "Hi"), turn("assistant", "Hello."), turn("user", USER)]
     rows = {"sft": [{"messages": history + [turn("assistant", ASSISTANT)]}] * 5,
             "sft2": [{"prompt": history, "completion": [turn("assistant", ASSISTANT)]}] * 5,
@@ -137,8 +138,8 @@ def test_conversations_need_a_chat_template(tokenizer, tmp_path):
 @pytest.mark.skipif(not os.path.exists(HH_FILE), reason="../shared/data/hh-rlhf not present")
 def test_hh_pairs_are_read_as_conversations(tokenizer):
     """Anthropic HH's Human/Assistant text, as `python prepare.py chat` writes it (data/hh, conftest.py), is read as
-    conversations and rendered by the template: the last Human turn is the prompt's last user turn, the replies are
-    the two last Assistant turns' text; pairs whose turns do not alternate or differ before the last are left out
+    conversations and rendered by the template: the last Human turn is the prompt's last user turn, the chosen reply
+    is the last Assistant turn's text; pairs whose turns do not alternate or differ before the last are left out
     (9 of 2,312), every 5th kept pair is the test split."""
     import prepare
 
@@ -158,7 +159,7 @@ def test_hh_pairs_are_read_as_conversations(tokenizer):
 def test_chat_pipeline_runs_and_ppo_stops_at_the_end_of_turn(tiny_model_dir, tmp_path):  # noqa: F811
     """sft.py, reward.py and ppo.py on conversational files, the tiny model with SmolLM2's template: each stage runs
     and saves; PPO's queries end with the opened assistant turn and its stop token is the template's end of turn,
-    `<|im_end|>`, and a response's mask ends there."""
+    `<|im_end|>`, and `truncate_after_stop` ends a mask there."""
     question = [turn("user", f"What is {i} plus {i}?") for i in range(40)]
     sft_data = write_jsonl(tmp_path / "sft.jsonl", [{"messages": [q, turn("assistant", "It is.")]} for q in question])
     rm_data = write_jsonl(tmp_path / "rm.jsonl", [{"prompt": [q], "chosen": [turn("assistant", "Yes.")],

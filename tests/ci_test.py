@@ -39,9 +39,9 @@ def test_ci_collects_every_test_file():
 
 
 def test_fast_mutants_are_caught(tmp_path):
-    """`tools/mutants.py --fast`: the mutants whose tests take seconds (a user's `.old` folder taken as the save's own,
-    SFT labels on the prompt, a Bradley-Terry sign flip, no value clip, the score on a padding slot), each caught by
-    its test, and those tests pass on the unmutated code."""
+    """`tools/mutants.py --fast`: the mutants marked fast, whose tests take seconds (among them a user's `.old` folder
+    taken as the save's own, SFT labels on the prompt, a Bradley-Terry sign flip, no value clip, the score on a
+    padding slot), each caught by its test, and those tests pass on the unmutated code."""
     report = tmp_path / "mutants.json"
     proc = subprocess.run([sys.executable, "tools/mutants.py", "--fast", "--json", str(report)], cwd=HERE,
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=900)

@@ -1,5 +1,5 @@
 """The IMDB gold judge (imdb_gold_reward.py) and what the PPO scripts' held-out evaluation reports beyond the proxy:
-the judge's score (--eval_reward_fn) and the diversity of the samples.
+the judge's score (--eval_reward_fn) and the diversity of the samples; docs/overoptimization.py's table.
 
     python -m pytest tests/gold_test.py     # about a minute on 2 CPU cores (a judge trained on 2,000 reviews)
 """
@@ -70,6 +70,7 @@ def test_the_judge_plugs_into_ppo_as_reward_and_as_eval_judge(judge_file, monkey
 
 
 def test_a_missing_judge_stops_the_run_at_start_with_the_command_that_trains_it(tmp_path, monkeypatch):
+    """`import_reward_fn` raises, naming the command that trains the judge."""
     monkeypatch.setenv("IMDB_GOLD_JUDGE", str(tmp_path / "none.json"))
     monkeypatch.delitem(sys.modules, "imdb_gold_reward", raising=False)
     with pytest.raises(ValueError, match=r"--eval_reward_fn 'imdb_gold_reward:sentiment' cannot be loaded \("

@@ -133,6 +133,8 @@ def test_own_plumbing_is_set_up_and_checks_only():
 
 @pytest.mark.parametrize("script", SCRIPTS)
 def test_helpers_are_defined_above_main_in_the_order_main_uses_them(script):
+    """The helpers defined above `main` appear in the order of their first mention (a helper moved below main
+    drops out of this check)."""
     source = read(script)
     order, defined = helpers_in_mention_order(source)
     assert len(order) >= 3

@@ -8,7 +8,8 @@
 - a frozen model held in bf16 computes, under autocast, exactly what it computed in float32 (logprobs and scores
   equal to the last bit), so the KL at update 0 stays 0 (resume_test.py's bf16 learning-rate-0 run checks it end to
   end: ratio exactly 1 and KL exactly 0);
-- a LoRA output saved from a bf16 base is float32 and computes what the adapted model computed.
+- `merge_lora` of a bf16 base returns float32 CPU tensors, W + (alpha / r) B A not rounded to bf16;
+- and DDP's gradient buckets, the float32 heads under autocast, ZeRO-3's buffer sizes (each test's docstring).
 (utils_test.py checks that logprobs in chunks equal the whole vocabulary at once; sharded_test.py that no process
 holds a whole trained parameter under ZeRO-3.)
 """
@@ -112,7 +113,8 @@ def test_a_frozen_model_in_bf16_computes_exactly_as_in_float32_under_autocast(ti
 
 def test_logprobs_values_and_scores_come_from_float32_heads_under_autocast(tiny_model_dir, tiny_rm_dir):  # noqa: F811
     """Under bf16 autocast the backbone multiplies in bf16, but the LM head and the score head run in float32 on its
-    float32 output: a bf16 logit of 16-32 is a multiple of 0.125-0.25. Each equals the float32 head applied by hand."""
+    float32 output: a bf16 logit of 16-32 is a multiple of 0.125-0.25. Each equals the float32 head applied by
+    hand, to 1e-5."""
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
     ids, mask = token_batch(rows=4, length=14)
@@ -146,7 +148,8 @@ def test_ddp_gradients_are_views_into_the_all_reduce_buckets(tmp_path):
 
 def test_a_lora_output_from_a_bf16_base_is_saved_in_float32_on_the_cpu(tiny_model_dir):  # noqa: F811
     """`merge_lora` merges tensor by tensor on the CPU, in float32: W (held in bf16) + (alpha / r) B A, not rounded
-    back to bf16, and every other tensor float32 too, so the output loads as the float32 model it computed as."""
+    back to bf16, and every other tensor float32 too, so the output loads as the float32 model it computed as (the
+    merged tensors are checked here, not a saved folder)."""
     from lora_test import lora_args, perturb_adapters
     from transformers import AutoModelForCausalLM
 
