@@ -135,8 +135,8 @@ class Args:
     """Optimizer steps between held-out evaluations (also run at the start of a fresh run and at the end)."""
     eval_samples: int = 256
     """Held-out pairs used for accuracy, loss and the reward bias (a fixed prefix of the held-out split; with N
-    processes, the largest multiple of N). 256 give
-    the accuracy to about +-0.03, one standard error (IMDB holds each pair twice, after either review's prompt)."""
+    processes, the largest multiple of N not above it). 256 give the accuracy to about +-0.03, one standard error
+    (IMDB holds each pair twice, after either review's prompt)."""
     num_table_examples: int = 4
     """Held-out pairs written to tensorboard, with their scores, at each evaluation."""
     seed: int = 1

@@ -124,7 +124,7 @@ class Args:
     """Optimizer steps between held-out evaluations (also run at the start of a fresh run and at the end)."""
     eval_samples: int = 128
     """Held-out examples used for the eval loss (a fixed prefix of the held-out split; with N processes, the largest
-    multiple of N)."""
+    multiple of N not above it)."""
     num_sample_generations: int = 4
     """Held-out prompts whose greedy completions are written to tensorboard at each evaluation."""
     seed: int = 1

