@@ -751,7 +751,7 @@ def derive_sizes(args, num_processes):
 
 def check_sharding(accelerator):
     """ZeRO-3 and FSDP shard the weights: every generation step is then a collective, and a process that stops
-    sampling early would leave the others waiting forever. Raises ValueError under them (ppo_multinode.py runs)."""
+    sampling early would stall the rest until --dist_timeout_s. Raises ValueError under them (ppo_multinode.py runs)."""
     plugin = accelerator.state.deepspeed_plugin
     if (plugin is not None and plugin.zero_stage == 3) or accelerator.distributed_type == DistributedType.FSDP:
         raise ValueError("ppo.py does not run under ZeRO-3 or FSDP (sharded weights need generation kept in step "

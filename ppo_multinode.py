@@ -6,7 +6,7 @@ This is ppo.py with only what scaling out changes (`diff ppo.py ppo_multinode.py
   - only the main process loads the reward model, on `--reward_device` (e.g. `cuda:7`, a GPU no trainer uses).
   - ZeRO-3 and FSDP (versions 1 and 2) shard the weights (ZeRO-3 builds them partitioned); generation gathers them
     once (`--gather_for_generation`; not FSDP version 1, which steps all processes until all stop: `synced_gpus`);
-    every process evaluates eval_prompts // processes prompts.
+    every process evaluates as many held-out prompts as the others (eval_prompts // processes).
 
 Run it (docs/scale.md: several nodes, FSDP, hostfiles, NCCL, and which runs are tested on CPU processes):
     python ppo_multinode.py                                 # 1 process: the same run, metric for metric, as ppo.py
@@ -271,10 +271,11 @@ def position_ids_from_mask(attention_mask):
 
 
 def sharded_generation_context(accelerator, model, gather=False):
-    """Where the unwrapped `model` (the prepared `PolicyAndValue`) runs outside the wrapper's forward, the only place
-    FSDP gathers its root unit (embeddings, final norm, heads): version 1's `summon_full_params(recurse=False)` or
-    version 2's `unshard` (after the private `_lazy_init`). Each layer gathers itself at each use or, with `gather`,
-    once: FSDP2's stay gathered, ZeRO-3's hooks are lifted (DeepSpeed's `unwrap_model_for_generation`)."""
+    """Where the prepared `model` (the wrapped `PolicyAndValue`, or the FSDP reference) is run by its parts, not by its
+    own forward: the only place FSDP gathers its root unit (embeddings, final norm, heads), by version 1's
+    `summon_full_params(recurse=False)` or version 2's `unshard` (after the private `_lazy_init`). Each layer gathers
+    itself at each use or, with `gather`, once: FSDP2's stay gathered, ZeRO-3's hooks are lifted (DeepSpeed's
+    `unwrap_model_for_generation`)."""
     if accelerator.is_fsdp2:
         model._get_fsdp_state()._lazy_init()
         context = contextlib.ExitStack()
@@ -405,8 +406,8 @@ def compute_scores(accelerator, reward_fn, tokenizer, query_ids, query_mask, res
     """Step (3)'s reward: every process's rollouts as text, scored by ONE `reward_fn` call on the main process. A
     collective; B may differ between processes; `reward_fn` is None off the main process, which gathers texts and ids
     (rank order, then row order), calls `reward_fn` in `fork_rng` (CPU and `rng_devices`: its next rollouts are as if
-    no call had happened) and scatters the scores, or, if the call raised or returned a bad value, a line saying so
-    that every process raises. Returns ppo.py's triple; stats are 0 off the main process."""
+    no call had happened) and scatters the scores, or, if the call raised or returned a bad value, a line that every
+    process raises. Returns ppo.py's triple; stats: the whole call's on the main process, 0 on the others."""
     q, q_mask, r, r_mask = (t.cpu() for t in (query_ids, query_mask, responses, response_mask))  # no sync per row
     prompts = tokenizer.batch_decode([x[m.bool()] for x, m in zip(q, q_mask)], skip_special_tokens=True)
     outputs = tokenizer.batch_decode([x[m.bool()] for x, m in zip(r, r_mask)], skip_special_tokens=True)
@@ -819,8 +820,8 @@ def derive_sizes(args, num_processes):
 
 def check_sharding(accelerator, gather=False):
     """ZeRO-3 and FSDP shard the weights: every generation step is then a collective, and a process that stops
-    sampling early would leave the others waiting forever. Returns whether they are on (`rollout`'s `synced_gpus`),
-    under ZeRO-3 and FSDP version 2 only if the weights are not gathered whole for generation (`gather`)."""
+    sampling early would stall the rest until --dist_timeout_s. Returns whether generation must run in step
+    (`rollout`'s `synced_gpus`): under ZeRO-3 and FSDP version 2 only if weights are not gathered whole (`gather`)."""
     plugin = accelerator.state.deepspeed_plugin
     zero3 = plugin is not None and plugin.zero_stage == 3
     return (zero3 or accelerator.distributed_type == DistributedType.FSDP) and not (
@@ -892,8 +893,8 @@ def load_prompts(args, tokenizer, process_index, num_processes):
                        "their beginnings are cut (the last tokens, nearest the response, are kept)",
                        main_process_only=True)
     eval_ids = encode(list(held_out["prompt"][: args.eval_prompts]))[process_index::num_processes]
-    # Equal slices on every process: under ZeRO-3 and FSDP each forward pass is a collective.
-    eval_ids = eval_ids[: args.eval_prompts // num_processes]
+    # Equal slices, the shortest one's length: under ZeRO-3 and FSDP each forward pass is a collective.
+    eval_ids = eval_ids[: min(args.eval_prompts, len(held_out)) // num_processes]
     return (left_pad(train_ids, tokenizer.pad_token_id, args.query_length),
             left_pad(eval_ids, tokenizer.pad_token_id, args.query_length))
 
@@ -952,7 +953,7 @@ def load_models(args, plugged_reward, tokenizer, accelerator):
     ref_policy = policy if share else freeze(load_model(args.sft_model_path, AutoModelForCausalLM))
     value_model = load_model(value_model_path, AutoModelForSequenceClassification, num_labels=1)
     if not has_score_head(value_model.config):
-        with GatheredParameters([value_model.score.weight], modifier_rank=0):  # ZeRO-3: drawn whole on process 0
+        with GatheredParameters([value_model.score.weight], modifier_rank=0):  # ZeRO-3: process 0's draw kept
             torch.nn.init.normal_(value_model.score.weight, std=1 / math.sqrt(value_model.score.in_features + 1),
                                   generator=torch.Generator().manual_seed(args.seed))
     policy, value_model = adapt_for_training(policy, args, None, frozen), adapt_for_training(value_model, args,
@@ -981,10 +982,10 @@ def shard_reference(accelerator, ref_policy, policy):
     """The frozen reference, ready on the device; sharded as the policy is, unless it is the policy itself
     (`--lora_share_backbones`), so that each process holds 1/N of its decoder layers, not a whole copy. ZeRO-3: it is
     built partitioned and gets a DeepSpeed engine of its own without an optimizer, which gathers each layer's weights
-    as it runs (as TRL's `prepare_deepspeed` did). FSDP: wrapped as accelerate wraps the policy, each decoder layer a
-    unit that gathers itself at each use (version 2 also gives the embeddings and the final norm + head units of
-    their own); the root unit, used outside the wrapper's forward, is gathered once and kept
-    (`sharded_generation_context`, never left: in version 1 it holds the embeddings, final norm and head)."""
+    as it runs (as TRL's `prepare_deepspeed` did). FSDP: wrapped with the policy's sharding, offload, wrapping and
+    precision, each decoder layer a unit that gathers itself at each use (accelerate's FSDP2 set-up also makes units
+    of the embeddings and of the final norm + head, one unit if the embeddings are tied to the head); the root
+    unit, used outside the wrapper's forward, is gathered once and kept (`sharded_generation_context`, never left)."""
     plugin = accelerator.state.deepspeed_plugin
     zero3 = plugin is not None and plugin.zero_stage == 3
     if ref_policy is policy or not (zero3 or accelerator.distributed_type == DistributedType.FSDP):

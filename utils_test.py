@@ -522,6 +522,19 @@ def test_a_test_split_is_held_out_else_every_fifth_row(tmp_path):
         ppo.load_splits("data/none", text)
 
 
+def test_ppo_multinode_processes_evaluate_as_many_held_out_prompts(tiny_model_dir, tmp_path):  # noqa: F811
+    """Sharded, each forward pass is a collective: ppo_multinode.py's processes evaluate as many held-out prompts
+    each, also when the held-out split (7 rows: every 5th of 35) is shorter than --eval_prompts and uneven over the
+    processes: 3 each. ppo.py, which does not shard, shares all 7 (4 and 3)."""
+    PartialState()
+    (tmp_path / "prompts.jsonl").write_text("".join(json.dumps({"prompt": f"row {i}"}) + "\n" for i in range(35)))
+    tokenizer = ppo.load_tokenizer(tiny_model_dir)
+    args = ppo.Args(dataset_name=str(tmp_path / "prompts.jsonl"), query_length=8, eval_prompts=32, batch_size=8)
+    shares = [len(script.load_prompts(args, tokenizer, rank, 2)[1][0]) for script in (ppo, ppo_multinode)
+              for rank in (0, 1)]
+    assert shares == [4, 3, 3, 3]
+
+
 def test_missing_columns_give_a_clear_error(tmp_path):
     path = tmp_path / "bad.jsonl"
     path.write_text("\n".join(json.dumps({"text": f"row {i}"}) for i in range(10)))

@@ -22,8 +22,8 @@ import time
 
 import pytest
 
-from resume_test import (HERE, TIMEOUT, assert_resumed_at, assert_same_checkpoint_state, assert_same_weights, run,
-                         scalars, stage_command, tiny_rm_dir)  # noqa: F401  (tiny_rm_dir: a pytest fixture)
+from resume_test import (HERE, TIMEOUT, assert_resumed_at, assert_same_checkpoint_state, assert_same_metrics,
+                         assert_same_weights, run, scalars, stage_command, tiny_rm_dir)  # noqa: F401  (a fixture)
 from utils_test import tiny_model_dir  # noqa: F401  (pytest fixture)
 
 ACCELERATE = [sys.executable, "-m", "accelerate.commands.launch", "--num_machines", "1", "--mixed_precision", "no",
@@ -265,13 +265,8 @@ def test_signal_checkpoints_and_resume_equals_uninterrupted(stage, signum, tiny_
     assert_resumed_at(proc.stdout, log_dir, "resumed", stopped + "-checkpoints/checkpoint-1")
     assert_same_checkpoint_state(straight + "-checkpoints/checkpoint-6", stopped + "-checkpoints/checkpoint-6")
     assert_same_weights(straight, stopped, atol=1e-6)
-    want, got = scalars(log_dir, "straight", {2, 3, 4, 5, 6}), scalars(log_dir, "resumed", {2, 3, 4, 5, 6})
-    compared = 0
-    for tag, values in got.items():
-        for step, value in values.items():
-            assert want[tag][step] == pytest.approx(value, abs=1e-6, rel=1e-6), f"{tag} at step {step}"
-            compared += 1
-    assert compared >= 5
+    steps = {2, 3, 4, 5, 6}
+    assert assert_same_metrics(scalars(log_dir, "straight", steps), scalars(log_dir, "resumed", steps)) >= 5
 
 
 # A driver that records how each process ends and then runs sft.py as its command line does.

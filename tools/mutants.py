@@ -69,6 +69,11 @@ MUTANTS = [
     Mutant("loss-watch-not-restored", "sft.py", "a resumed run forgets the watched (smoothed) loss",
            [('step, watch = state["step"], state.get("loss_watch", {})', 'step, watch = state["step"], {}')],
            R + "test_kill_and_resume_equals_uninterrupted[sft-no]"),
+    Mutant("metric-dropped-on-resume", "sft.py", "a resumed run stops logging one metric (train/lr)",
+           [('                         "train/lr": scheduler.get_last_lr()[0]}, step=step)',
+             '                         **({"train/lr": scheduler.get_last_lr()[0]} if state is None else {})}, '
+             'step=step)')],
+           R + "test_kill_and_resume_equals_uninterrupted[sft-no]"),
     Mutant("scheduler-not-checkpointed", "reward.py", "the LR scheduler is not saved: a resumed run restarts it",
            [("    accelerator.register_for_checkpointing(scheduler)\n", "")],
            R + "test_kill_and_resume_equals_uninterrupted[reward-no]"),
@@ -264,6 +269,11 @@ MUTANTS = [
     Mutant("reward-failure-not-sent", "ppo_multinode.py", "a reward call that raises leaves the others waiting",
            [("        except Exception as error:  # out of memory,", "        except ZeroDivisionError as error:  #")],
            F + "test_a_reward_that_raises_on_the_main_process_stops_every_process_naming_it"),
+    Mutant("uneven-held-out-shares", "ppo_multinode.py", "a held-out split shorter than --eval_prompts is shared "
+           "unevenly (sharded: the processes' collectives no longer match)",
+           [("    eval_ids = eval_ids[: min(args.eval_prompts, len(held_out)) // num_processes]",
+             "    eval_ids = eval_ids[: args.eval_prompts // num_processes]")],
+           U + "test_ppo_multinode_processes_evaluate_as_many_held_out_prompts", fast=True),
     # --- LoRA and gradient checkpointing (issue 20) ----------------------------------------------------------------
     Mutant("reference-keeps-the-adapter", "ppo.py", "LoRA: the shared reference is the trained policy (adapter on)",
            [("        with adapters_off(ref_policy):  # with --lora_share_backbones",
