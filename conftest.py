@@ -2,9 +2,9 @@
 
 The scripts' `--mixed_precision auto` takes what `accelerate launch` was told (ACCELERATE_MIXED_PRECISION) and
 otherwise picks bf16 on hardware that has it, this project's CPUs included. The tests compare runs with each other
-at float32 tolerances (1e-6) and call `main()` in one process, where accelerate keeps one precision per process: so
-they run in float32 unless they ask for bf16 themselves (tests/memory_test.py autocasts in bf16 itself;
-tests/resume_test.py, tests/sharded_test.py and tests/ci_test.py run bf16 in subprocesses). Set
+at float32 tolerances (1e-6; 1e-5 under DeepSpeed) and call `main()` in one process, where accelerate keeps one
+precision per process: so they run in float32 unless they ask for bf16 themselves (tests/memory_test.py autocasts
+in bf16 itself; tests/resume_test.py, tests/sharded_test.py and tests/ci_test.py run bf16 in subprocesses). Set
 ACCELERATE_MIXED_PRECISION yourself to run the suite in another precision.
 
 Prepared inputs. The scripts' defaults read what `python prepare.py` writes (models/SmolLM2-135M-Instruct, data/imdb,

@@ -1,6 +1,6 @@
 """A gold reward for the IMDB task: a sentiment judge trained on IMDB's own labels, independent of the proxy.
 
-    python imdb_gold_reward.py                                   # train it (~2 min on 2 CPU cores), print accuracies
+    python imdb_gold_reward.py                                   # train it (~1 min on 2 CPU cores), print accuracies
     python ppo.py --eval_reward_fn imdb_gold_reward:sentiment    # PPO on the proxy RM; held-out samples judged too
     python ppo.py --reward_fn imdb_gold_reward:sentiment         # or PPO on the judge itself (classic sentiment task)
 
@@ -57,7 +57,7 @@ class Args:
     """Command-line settings (tyro turns each field into a --flag; its docstring is the help text)."""
 
     output_path: str = "runs/imdb/gold/judge.json"
-    """Where the trained judge (JSON) is written; `sentiment` reads it from here (or from $IMDB_GOLD_JUDGE)."""
+    """Where the trained judge (JSON) is written. `sentiment` reads runs/imdb/gold/judge.json, or $IMDB_GOLD_JUDGE."""
     min_count: int = 5
     """A word or word pair is a feature if at least this many training texts contain it (rarer ones would be fitted
     to a handful of reviews)."""

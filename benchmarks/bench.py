@@ -24,7 +24,7 @@ Run (on a quiet machine; docs/performance.md has timings):
     python benchmarks/bench.py --model smollm2
     python benchmarks/bench.py --scaling
     python benchmarks/bench.py --model tiny --runs 1 --updates 2 --floor_reps 1   # smoke test, a few minutes
-    python benchmarks/bench.py --model tiny --precisions fp32      # while ppo.py has no mixed_precision field
+    python benchmarks/bench.py --model tiny --precisions fp32      # float32 only
 """
 
 import argparse

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # ppo.py on one GPU in bf16, no network: a random-initialised Llama-3.2-1B-shaped model (128k vocabulary), full /
 # full + checkpointing / LoRA + shared backbones + checkpointing: s/update, tokens/s, phase times, MFU, peak memory
-# against the planner, KL at update 0 and the ratio at learning rate 0 (issues 13, 31). At most 8 minutes in all
-# (GPU_BENCH_BUDGET_S for the runs, plus start-up).
+# against the planner, KL at update 0 and the ratio at learning rate 0 (issues 13, 31). At most 8 minutes for
+# the benchmark (GPU_BENCH_BUDGET_S for the runs, plus start-up), the wheel install before it.
 #
 # Run from the repository root:
 #   bash benchmarks/gpu.sh                         # GPU: size 1b, 3 modes -> $OUT (or benchmarks/results/gpu)
@@ -37,7 +37,7 @@ if ! python3 -c "import tyro, datasets" 2>/dev/null; then
 fi
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv,noheader 2>/dev/null \
   || echo "gpu.sh: nvidia-smi not found / no GPU: the benchmark runs on the CPU"
-# 480 s = 8 minutes hard stop for everything; the driver itself stops sizes at GPU_BENCH_BUDGET_S.
+# 480 s = 8 minutes hard stop for gpu_bench.py (not the install above); the driver stops sizes at GPU_BENCH_BUDGET_S.
 # shellcheck disable=SC2086
 timeout 480 python3 benchmarks/gpu_bench.py --out_dir "$out" --sizes "${GPU_BENCH_SIZES:-1b}" \
   --budget_s "${GPU_BENCH_BUDGET_S:-420}" --precision "${GPU_BENCH_PRECISION:-bf16}" ${GPU_BENCH_ARGS:-}

@@ -22,13 +22,14 @@ backbone and a random scalar head (as the CPU benchmark builds them). Saved in b
 ppo.py loads every model as fp32 master weights regardless).
 
 Tokenizer: a word-level `tokenizers` tokenizer with vocabulary `<|endoftext|>` (0: EOS = pad), `<unk>` (1) and
-`w2` .. `w49151`, saved as a PreTrainedTokenizerFast next to each model. Prompts are `--query_len` random words, so
-each tokenizes to exactly `--query_len` ids (no padding). Its text is meaningless: the benchmark measures compute.
+`w2` .. `w<V-1>` (V: the size's vocabulary), saved as a PreTrainedTokenizerFast next to each model. Prompts
+are `--query_len` random words, so each tokenizes to exactly `--query_len` ids (no padding). Its text is
+meaningless: the benchmark measures compute.
 
 Workload (flags; defaults sized for one H200 and a total under 8 minutes): `--rollouts` 64 per update, query 64,
 response 64 (exactly: stop_token none, no EOS penalty), 4 PPO epochs x 2 minibatches x 1 microbatch, temperature
 0.7, lr 3e-6, kl_coef 0.05, one forward chunk of all rollouts, `--precision bf16` = ppo.Args(mixed_precision="bf16")
-(needs that field; `--precision fp32` passes "no"). The final save of ppo.main (outside the timed updates; 8.6 GB
+(needs that field; `--precision fp32` passes "no"). The final save of ppo.main (outside the timed updates; about 9.9 GB
 for the 1b model) is skipped.
 
 Measured per size and mode (first update = warm-up, left out of the medians): s/update (ppo.prompt_indices to the
@@ -186,7 +187,7 @@ def run_size(args):
             local_rollout_forward_batch_size=args.rollouts, eval_every=10**9, eval_prompts=2, seed=args.seed,
             **MODES[args.mode],
             **ours_ppo.precision_kwargs(ppo, args.precision))
-        # The final save is outside the timed updates and would write fp32 policy + value (8.6 GB for 1b): skipped.
+        # The final save is outside the timed updates and would write fp32 policy + value (~9.9 GB for 1b): skipped.
         # The peak memory counter is reset at the first sampling (the evaluation before update 1): models loaded.
         saved, rollout, loaded = ppo.save_atomically, ppo.rollout, []
 
@@ -328,7 +329,7 @@ def main(argv=None):
     ap.add_argument("--sizes", default="1b", help=f"comma-separated, run in this order: {', '.join(SIZES)}")
     ap.add_argument("--modes", default="full,ckpt,lora", help=f"comma-separated, for every size: {', '.join(MODES)}")
     ap.add_argument("--out_dir", default=str(BENCH_DIR / "results" / "gpu"),
-                    help="gpu_bench.json, gpu_bench.md and log_<size>.txt go here")
+                    help="gpu_bench.json, gpu_bench.md and log_<size>_<mode>.txt go here")
     ap.add_argument("--precision", choices=["bf16", "fp32"], default="bf16",
                     help="bf16: ppo.Args(mixed_precision='bf16'); fp32: 'no' (see ours_ppo.precision_kwargs)")
     ap.add_argument("--updates", type=int, default=4, help="PPO updates per run; the first is left out")

@@ -170,7 +170,7 @@ MODELS = {
                         intermediate_size=13824, vocab_size=32000, tie_word_embeddings=False),
     "tiny": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                  intermediate_size=128, vocab_size=49152, tie_word_embeddings=True),  # utils_test.build_tiny_model
-    # benchmarks/memory_scale.py's model: GPT-2-small-shaped Llama with SmolLM2's vocabulary (152M parameters)
+    # benchmarks/memory_scale.py's model: GPT-2-small-shaped Llama with SmolLM2's vocabulary (151M parameters)
     "llama-150m": dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12, num_key_value_heads=12,
                        intermediate_size=3072, vocab_size=49152, tie_word_embeddings=True),
 }

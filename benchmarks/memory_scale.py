@@ -45,7 +45,7 @@ SHAPES = {"zero3": dict(hidden_size=768, intermediate_size=3072, num_hidden_laye
           "lora": dict(hidden_size=1024, intermediate_size=5120, num_hidden_layers=24, num_attention_heads=16,
                        num_key_value_heads=4)}
 
-# A driver that runs ppo_multinode.py's main exactly as its __main__ does (RUN_SCRIPT; under FSDP through
+# A driver that runs ppo_multinode.py's main on its flags, through tyro.cli (RUN_SCRIPT; under FSDP through
 # tests/sharded_test.py's FSDP_ON_CPU driver, which adapts accelerate to CPU processes), then writes this process's
 # VmHWM.
 DRIVER = '''import atexit, os, sys

@@ -4,7 +4,7 @@ PPO benchmark's FLOP/s is held against.
 Times `torch.matmul` (C = A @ B, A: (m, k), B: (k, n), 2*m*k*n FLOPs) for the matrix shapes one PPO minibatch of
 SmolLM2-135M runs through (hidden 576, intermediate 1536, 3 KV heads x 64, vocab 49152; `--tokens` rows, default
 8 rollouts x 56 tokens = one minibatch of the benchmark) and for one large square product, in fp32 and bf16, on the
-CPU with `--threads` torch threads and, when present, on the CUDA GPU.
+CPU with `--threads` torch threads, or on the CUDA GPU (`--device cuda`; `--device all`: both).
 
 Why both kinds of shape: the large square is the closest a matrix product gets to the hardware's peak (the
 denominator of MFU); the model's own shapes say how much of it this workload's products can reach at all (small

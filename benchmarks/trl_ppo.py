@@ -14,7 +14,7 @@ Fixed workload (shared with our ``ppo.py`` side of the comparison):
 * Responses: 24 sampled tokens (``--response_len``), temperature 0.7, top_k=0, top_p=1.0.
 * 4 PPO epochs x 2 minibatches of 8 x 1 microbatch each -> 8 optimizer steps per update.
 * kl_coef 0.05 (k1 estimator), fp32 (bf16 False), no gradient checkpointing, no eval, no saving,
-  no sample generations, no missing-EOS penalty, no reward whitening (TRL defaults).
+  no sample generations, no missing-EOS penalty, no reward whitening (each set here, not left to TRL's defaults).
 
 Stopping rule: **generate exactly 24 tokens, no early stop.**  TRL's ``stop_token=None`` and
 ``stop_token_id=None`` (its defaults, set explicitly here) make the trainer set the policy's

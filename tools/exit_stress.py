@@ -1,7 +1,7 @@
 """Launch every 2-process config of every script many times and count the launches that did not exit 0.
 
-    python tools/exit_stress.py --launches 200          # spread evenly over the configs (time: docs/reliability.md)
-    python tools/exit_stress.py --per_config 1          # one launch of each config (CI's short version)
+    python tools/exit_stress.py --launches 200          # as many of each config, 210 in all (time: docs/reliability.md)
+    python tools/exit_stress.py --per_config 1          # one launch of each config (CI runs three configs)
     python tools/exit_stress.py --configs reward-fsdp --per_config 20 --core_dumps /tmp/cores
 
 A finished run must exit 0 on every process: a cluster marks a job that exits otherwise as failed, and a requeue
@@ -9,8 +9,8 @@ script that trusts the status reruns a finished run. This script checks it the b
 (a few steps or updates) of the tiny random model the tests use, on 2 CPU processes (gloo), under DDP, DeepSpeed
 ZeRO-2, ZeRO-3 or FSDP (versions 1 and 2) where the script supports it; FSDP goes through the tests' FSDP_ON_CPU
 driver (tests/sharded_test.py), since accelerate does not set FSDP up without a GPU. Every launch must exit 0 and say
-that it saved its model; the table prints, per config, the launches, the non-zero exits and the last line each
-failed launch printed. `--core_dumps DIR` runs every launch in a folder of its own under DIR with core files on, so
+that it saved its model; the table prints, per config, the launches, the non-zero exits and the last line of its
+first failed launch. `--core_dumps DIR` runs every launch in a folder of its own under DIR with core files on, so
 that an abort leaves a core to read with gdb (`gdb python3 DIR/<launch>/core`, then `thread apply all bt`).
 Exit status: 0 when every launch passed, 1 otherwise.
 """
@@ -69,7 +69,8 @@ def script_args(stage, policy, rm, out):
 
 def launch(config, policy, rm, work, core_dir=None):
     """One launch of `config` on 2 CPU processes; returns (exit code, output). The launch runs in a fresh folder
-    (with core files on when `core_dir` is given), and its whole process group is killed after TIMEOUT s."""
+    (with core files on when `core_dir` is given); the launcher's process group is SIGKILLed after TIMEOUT s (torch
+    starts the workers in sessions of their own: they are not)."""
     stage, kind = config.split("-")
     out = tempfile.mkdtemp(dir=work)
     launcher = [sys.executable, "-m", "accelerate.commands.launch", "--num_machines", "1", "--mixed_precision", "no",
@@ -127,7 +128,7 @@ def main():
                         help="script-config pairs to launch (default: all 15): " + " ".join(CONFIGS))
     parser.add_argument("--per_config", type=int, default=None, help="launches of each config")
     parser.add_argument("--launches", type=int, default=200,
-                        help="launches in all, spread evenly over the configs (ignored with --per_config)")
+                        help="launches in all, rounded up to a multiple of the configs (ignored with --per_config)")
     parser.add_argument("--core_dumps", default=None, help="run each launch in a folder under this one, cores on")
     parser.add_argument("--json", default=None, help="also write every launch's result to this file")
     args = parser.parse_args()

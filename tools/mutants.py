@@ -19,8 +19,8 @@ with pytest in the copy (its own `--basetemp`, a timeout), records the result an
 
 Results: `caught` (the test failed), `NOT CAUGHT` (the test passed), `caught (timed out)` (the test did not finish
 within --timeout: it did not pass, but a hang is a weak signal, so the table says so), `broken` (a replacement did
-not match exactly once, or the mutated file does not compile), `skipped` (pytest skipped the test: nothing proved),
-`baseline failed`. The exit status is 0 only when every selected mutant was caught.
+not match exactly once, the mutated file does not compile, or pytest reported no test), `skipped` (pytest skipped
+the test: nothing proved), `baseline failed`. The exit status is 0 only when every selected mutant was caught.
 """
 
 import argparse
