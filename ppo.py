@@ -5,7 +5,8 @@ One update:
   (2) process   responses are cut after the first stop token (EOS); later tokens are padding
   (3) score     forward passes give the policy's logprobs, the reference's ref_logprobs and the values; the reward
                 function scores each query+response (a reward model of the policy's vocabulary reads its token ids,
-                EOS included; a `module:function` gets the texts too); a response that never stops is penalised
+                EOS included; a `module:function` gets the texts too: `import_reward_fn`); a response that never
+                stops is penalised
   (4) rewards   per token: -kl_coef * (logprob - ref_logprob), plus the score on the last real response token
   (5) GAE       advantages and returns over the response only
   (6) PPO       `ppo_epochs` epochs; each reshuffles the batch and takes one optimizer step per minibatch, summing
@@ -20,9 +21,6 @@ Run it (defaults read `sft.py`'s and `reward.py`'s default outputs):
     accelerate launch --config_file configs/multi_gpu.yaml ppo.py        # 8 GPUs, DDP
     accelerate launch --config_file configs/deepspeed_zero2.yaml ppo.py  # 8 GPUs, ZeRO-2 (tested on 2 CPU processes)
     For ZeRO-3, FSDP and several nodes use ppo_multinode.py (docs/scale.md); ppo.py refuses ZeRO-3 and FSDP at start.
-
-The reward is `--reward_fn model` (the reward model) or your own `module:function` such as
-`imdb_rule_reward:positive_words`, called on the samples' text and token ids (the contract: `import_reward_fn`).
 
 Follows: Schulman et al. 2017 "Proximal Policy Optimization Algorithms" (clipped objective); Schulman et al. 2016
 "High-Dimensional Continuous Control Using Generalized Advantage Estimation" (GAE); Ziegler et al. 2019 "Fine-Tuning
@@ -216,8 +214,8 @@ class PolicyAndValue(torch.nn.Module):
 
 
 def response_logprobs(model, query_responses, attention_mask, context_length, temperature, chunk_entries=2**24):
-    """`logprobs` (B, T) float32, log_softmax(logits / temperature) at the response tokens (the PPO ratio's; under
-    bf16 the sampler's logits differ by rounding: `rollout`), and `entropy` (B, T), -sum_v p_v log p_v in nats, no
+    """`logprobs` (B, T) float32, log_softmax(logits / temperature) at the response tokens (the PPO ratio's), and
+    `entropy` (B, T), -sum_v p_v log p_v in nats, no
     gradient. The LM head (float32; bf16 in DeepSpeed's bf16 engine) runs on the B x T positions predicting response
     tokens (Q-1+t predicts Q+t, Q = `context_length`), `chunk_entries` logits at a time, never (B, T, vocab); with
     gradient each is kept."""
@@ -258,7 +256,7 @@ def evaluate(accelerator, models, reward_fns, tokenizer, eval_queries, args, sto
     """Sample and score (`compute_scores`) the fixed held-out queries' responses with a fixed seed, `models` = (policy,
     ref_policy, value_model), `reward_fns` = (reward, judge or None); returns metrics over all processes and this
     process's (query, response, score) rows. Metrics: eval/kl as objective/kl; eval/scores the bare reward
-    (objective/scores has the missing-EOS penalty and score clip); eval/gold_scores the judge's (--eval_reward_fn);
+    (`batch_metrics`); eval/gold_scores the judge's (--eval_reward_fn);
     `diversity`'s."""
     query_ids, query_mask = (t.to(accelerator.device) for t in eval_queries)
     # autocast: sampled and scored in the training forward's precision (accelerate autocasts only that), ratio 1 at lr 0
@@ -457,7 +455,6 @@ def ppo_epochs(accelerator, model, optimizer, scheduler, rollouts, args, update)
         for mb in range(M):
             microbatches = [order[mb * slice_rows : (mb + 1) * slice_rows].to(accelerator.device) + u * column_rows
                             for u, order in enumerate(my_orders)]
-            # The minibatch's real tokens, all microbatches and processes: each microbatch's loss sum is divided by it.
             n_tokens = accelerator.reduce(sum(rollouts["mask"][idx].sum() for idx in microbatches), reduction="sum")
             for u, idx in enumerate(microbatches):
                 mb_data = {k: v[idx] for k, v in rollouts.items()}
@@ -711,15 +708,9 @@ NOT_TRAINING_CONFIG = {"resume_from", "save_every", "save_total_limit", "checkpo
 
 
 def derive_sizes(args, num_processes):
-    """Check the settings and fill in the runtime batch sizes; raise ValueError naming the flag if one is out of
-    range or the batch sizes do not divide evenly.
-
-        name                    | value                                           | TRL name
-        local_batch_size        | batch_size / num_processes                      | local_batch_size
-        local_mini_batch_size   | local_batch_size / num_mini_batches             | local_mini_batch_size
-        micro_batch_size        | local_mini_batch_size / gradient_accumulation   | per_device_train_batch_size
-        num_updates             | total_episodes // batch_size                    | num_total_batches
-    """
+    """Check the settings and fill in the runtime batch sizes (the table above `Args.batch_size`; num_updates, TRL's
+    num_total_batches, is total_episodes // batch_size); raise ValueError naming the flag if one is out of range or
+    the batch sizes do not divide evenly."""
     for flag in ("query_length", "response_length", "batch_size", "num_mini_batches", "gradient_accumulation_steps",
                  "ppo_epochs", "eval_every", "local_rollout_forward_batch_size", "reward_batch_size"):
         if getattr(args, flag) < 1:
@@ -767,8 +758,7 @@ def import_reward_fn(reward_fn, reward_model_path, flag="--reward_fn"):
     The contract: `reward_fn(samples, prompts, outputs, **kwargs) -> list[float]`, one score per sample, with
     samples[i] == prompts[i] + outputs[i] (special tokens such as EOS are not in the text); `kwargs` holds
     `query_responses` and `attention_mask`, the same samples as the policy's token ids, (N, Q+T) long. It is called
-    under the run's autocast (`--mixed_precision`), with the folder the script was started in importable.
-    """
+    under the run's autocast (`--mixed_precision`), with the folder the script was started in importable."""
     if reward_fn == "model" and flag == "--reward_fn":
         return check_score_head(reward_model_path, "--reward_model_path")
     module_name, _, function_name = reward_fn.partition(":")
@@ -802,8 +792,7 @@ def check_score_head(path, flag):
 
 def has_score_head(config):
     """Whether a checkpoint's config names a sequence-classification architecture, i.e. the checkpoint holds a trained
-    scalar head. Any other checkpoint loaded as a sequence classifier gets a random head from transformers (a warning,
-    no error)."""
+    scalar head (`check_score_head`)."""
     return any(name.endswith("ForSequenceClassification") for name in config.architectures or [])
 
 
@@ -832,8 +821,7 @@ def left_pad(sequences, pad_token_id, length):
     """Left-pad (and, when longer, left-truncate) lists of token ids to `length`.
 
     Returns `input_ids` (B, length) long and `attention_mask` (B, length) long. Left padding puts every query's last
-    token in the same column, so sampled response tokens start at the same index `length` in every row.
-    """
+    token in the same column, so sampled response tokens start at the same index `length` in every row."""
     input_ids = torch.full((len(sequences), length), pad_token_id, dtype=torch.long)
     attention_mask = torch.zeros_like(input_ids)
     for row, ids in enumerate(sequences):
@@ -850,12 +838,9 @@ def load_models(args, plugged_reward, tokenizer, accelerator):
     Policy and frozen reference from the SFT model. A reward model that shares the policy's vocabulary scores the
     policy's token ids and is the initial value model (as in the N+ details paper); else the value model is the SFT
     model with a scalar head drawn as reward.py draws it, from `seed` (the same on every process). `reward_fn` is
-    `plugged_reward` or the frozen reward model's (`make_model_reward`). `--lora_r` (`adapt_for_training`): policy and
-    value model get adapters, the value head trains whole; with `--lora_share_backbones` the reference is the policy
-    itself and, if the value model starts from the reward model, so is the reward model the value model: `adapters_off`
-    then gives the frozen role (as TRL's PPO did for the reference). Four roles, two backbones in memory, and the same
-    numbers as separate copies.
-    """
+    `plugged_reward` or the frozen reward model's (`make_model_reward`). `--lora_r`, `--lora_share_backbones`: see their
+    help; `adapters_off` gives a shared model's frozen role (as TRL's PPO did for the reference), computing the same
+    numbers as a separate copy."""
     reward_tokenizer = load_tokenizer(args.reward_model_path) if args.reward_fn == "model" else None
     same_tokens = reward_tokenizer is not None and reward_tokenizer.get_vocab() == tokenizer.get_vocab()
     value_model_path = args.reward_model_path if same_tokens else args.sft_model_path  # it reads the policy's tokens
@@ -911,8 +896,7 @@ def make_model_reward(reward_model, reward_tokenizer, same_tokens, batch_size):
     (sampled "hel" + "lo" come back as one token "hello", and the EOS the reward model was trained to read is not in
     the text). Otherwise the text is tokenized with the reward model's tokenizer: for a decoder (`score` head) as
     reward.py formats a pair (prompt and output tokenized apart, no special tokens, its EOS last); for an encoder
-    (BERT) with its [CLS] ... [SEP]. A sample too long for it loses its beginning, so that the response is kept.
-    """
+    (BERT) with its [CLS] ... [SEP]. A sample too long for it loses its beginning, so that the response is kept."""
     reward_tokenizer.truncation_side = "left"
 
     @torch.no_grad()
@@ -975,8 +959,7 @@ def get_reward(model, input_ids, attention_mask):
 
     The score head reads the hidden state of the last real token, found from the attention mask (not by comparing
     ids with the pad id, which fails when pad == eos and the sequence ends with EOS), so left, right or no padding
-    all work. `config.reward_bias` (set by reward.py so SFT-distribution text scores mean 0) is added.
-    """
+    all work. `config.reward_bias` (set by reward.py so SFT-distribution text scores mean 0) is added."""
     backbone = getattr(model, model.base_model_prefix)
     hidden = backbone(input_ids=input_ids, attention_mask=attention_mask,
                       position_ids=position_ids_from_mask(attention_mask), use_cache=False).last_hidden_state

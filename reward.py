@@ -10,7 +10,7 @@ its last real token (normally the EOS that ends the reply), found from the atten
 After training, the scores are shifted so that held-out SFT-distribution text (the chosen and the rejected replies:
 for IMDB both are review endings, the kind of text the SFT model writes) scores 0 on average. The shift is saved as
 `reward_bias` in config.json and added by `get_reward`, so PPO's scores start near 0 (not exactly: they are centred on
-held-out replies, not on the policy's own samples; the default PPO run's first held-out score is about 1).
+held-out replies, not on the policy's own samples: docs/results.md has the default PPO run's first score).
 
 Default task (offline): the IMDB pairs of `build_imdb("reward")` in prepare.py: the closing words of a positive review
 are chosen over those of a negative one (reviews end with their verdict), each pair seen after the prompt of either
@@ -23,8 +23,7 @@ Run it (after `python sft.py`: its output folder is this script's default model)
     accelerate launch --config_file configs/deepspeed_zero2.yaml reward.py    # 8 GPUs, ZeRO-2
     accelerate launch --config_file configs/deepspeed_zero3.yaml reward.py    # 8 GPUs, ZeRO-3
     accelerate launch --config_file configs/fsdp.yaml reward.py               # 8 GPUs, FSDP (version 1)
-    # DeepSpeed without GPUs (its CPU accelerator, gloo; no ACCELERATE_USE_CPU, which would mean DDP): tested
-    # equal to DDP on 2 processes, ZeRO-2 and ZeRO-3 (tests/sharded_test.py); FSDP too, through a test-only driver
+    # DeepSpeed without GPUs (its CPU accelerator, gloo; no ACCELERATE_USE_CPU, which would mean DDP; docs/scale.md)
     accelerate launch --config_file configs/deepspeed_zero2.yaml --num_processes 2 reward.py
 Anthropic HH, harmless-base (`python prepare.py chat`: conversations, in the model's chat template; README: all three):
     python reward.py --model_name_or_path runs/hh/sft --output_dir runs/hh/reward --dataset_name data/hh \
@@ -115,7 +114,7 @@ class Args:
     max_loss_ratio: Optional[float] = 2.0
     """Stop with one error line, saving nothing of that step, once the training loss smoothed over ~10 steps is
     above this many times its lowest smoothed value and above its first step's (`watch_loss`): the run diverged.
-    In the default run it rose to 1.4x its lowest, 1.3% above its first (docs/reliability.md). None: never stop."""
+    The default runs stay well inside it (docs/reliability.md). None: never stop."""
     # --- memory: LoRA, gradient checkpointing (docs/scale.md) ---
     lora_r: int = 0
     """LoRA rank: > 0 freezes the model and trains rank-r adapters on `lora_target_modules`, the score head whole
@@ -207,8 +206,7 @@ def get_reward(model, input_ids, attention_mask):
 
     The score head reads the hidden state of the last real token, found from the attention mask (not by comparing
     ids with the pad id, which fails when pad == eos and the sequence ends with EOS), so left, right or no padding
-    all work. `config.reward_bias` (set by reward.py so SFT-distribution text scores mean 0) is added.
-    """
+    all work. `config.reward_bias` (set by reward.py so SFT-distribution text scores mean 0) is added."""
     backbone = getattr(model, model.base_model_prefix)
     hidden = backbone(input_ids=input_ids, attention_mask=attention_mask,
                       position_ids=position_ids_from_mask(attention_mask), use_cache=False).last_hidden_state
@@ -486,9 +484,7 @@ def main(args: Args):
     progress.close()
 
     # --- 4. normalise, save -------------------------------------------------------------------------------------------
-    # The final evaluation also sets the reward bias: held-out SFT-distribution text (chosen and rejected replies,
-    # equally many) should score 0 on average, so PPO's scores start near 0 whatever offset training left in them.
-    # Stiennon et al. 2020 and the N+ code centre on the dataset's reference replies instead (docs/implementation.md).
+    # The final evaluation also sets the reward bias (the module docstring says which text scores 0, and why).
     metrics = log_eval(step)
     reward_bias = -(metrics["eval/scores_chosen_mean"] + metrics["eval/scores_rejected_mean"]) / 2
     accelerator.log({"eval/reward_bias": reward_bias}, step=step)

@@ -19,8 +19,7 @@ Run it:
     accelerate launch --config_file configs/deepspeed_zero2.yaml sft.py    # 8 GPUs, ZeRO-2
     accelerate launch --config_file configs/deepspeed_zero3.yaml sft.py    # 8 GPUs, ZeRO-3
     accelerate launch --config_file configs/fsdp.yaml sft.py               # 8 GPUs, FSDP (version 1)
-    # DeepSpeed without GPUs (its CPU accelerator, gloo; no ACCELERATE_USE_CPU, which would mean DDP): tested
-    # equal to DDP on 2 processes, ZeRO-2 and ZeRO-3 (tests/sharded_test.py); FSDP too, through a test-only driver
+    # DeepSpeed without GPUs (its CPU accelerator, gloo; no ACCELERATE_USE_CPU, which would mean DDP; docs/scale.md)
     accelerate launch --config_file configs/deepspeed_zero2.yaml --num_processes 2 sft.py
     python prepare.py chat                          # once: Anthropic HH as conversations (data/hh)
     python sft.py --dataset_name data/hh --output_dir runs/hh/sft --max_prompt_length 128 --max_length 192
@@ -104,7 +103,7 @@ class Args:
     max_loss_ratio: Optional[float] = 2.0
     """Stop with one error line, saving nothing of that step, once the training loss smoothed over ~10 steps is
     above this many times its lowest smoothed value and above its first step's (`watch_loss`): the run diverged.
-    The default run's smoothed loss stays below its first value, within 1.02x its lowest. None: never."""
+    The default runs stay well inside it (docs/reliability.md). None: never."""
     # --- memory: LoRA, gradient checkpointing (docs/scale.md) ---
     lora_r: int = 0
     """LoRA rank: > 0 freezes the model and trains rank-r adapters on `lora_target_modules`
