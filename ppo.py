@@ -168,7 +168,8 @@ class Args:
     eval_every: int = 5
     """PPO updates between held-out evaluations (also run before the first update of a fresh run and after the last)."""
     eval_prompts: int = 32
-    """Held-out prompts scored at each evaluation (a fixed prefix of the held-out split, sampled with a fixed seed)."""
+    """Held-out prompts scored at each evaluation (a fixed prefix of the held-out split, sampled with a fixed seed),
+    shared among the processes; ppo_multinode.py cuts each share to the shortest one's length (sharded: lockstep)."""
     eval_reward_fn: Optional[str] = None
     """A judge PPO never optimises, `module:function` (the --reward_fn interface; not `model`), e.g.
     imdb_gold_reward:sentiment: an independent second reading of the held-out samples (eval/gold_scores). None: none."""
