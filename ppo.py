@@ -169,7 +169,7 @@ class Args:
     """PPO updates between held-out evaluations (also run before the first update of a fresh run and after the last)."""
     eval_prompts: int = 32
     """Held-out prompts scored at each evaluation (a fixed prefix of the held-out split, sampled with a fixed seed),
-    shared among the processes; ppo_multinode.py cuts each share to the shortest one's length (sharded: lockstep)."""
+    shared among the processes (ppo_multinode.py cuts each share to the shortest: sharded passes are collectives)."""
     eval_reward_fn: Optional[str] = None
     """A judge PPO never optimises, `module:function` (the --reward_fn interface; not `model`), e.g.
     imdb_gold_reward:sentiment: an independent second reading of the held-out samples (eval/gold_scores). None: none."""
@@ -216,10 +216,9 @@ class PolicyAndValue(torch.nn.Module):
 
 def response_logprobs(model, query_responses, attention_mask, context_length, temperature, chunk_entries=2**24):
     """`logprobs` (B, T) float32, log_softmax(logits / temperature) at the response tokens (the PPO ratio's), and
-    `entropy` (B, T), -sum_v p_v log p_v in nats, no
-    gradient. The LM head (float32; bf16 in DeepSpeed's bf16 engine) runs on the B x T positions predicting response
-    tokens (Q-1+t predicts Q+t, Q = `context_length`), `chunk_entries` logits at a time, never (B, T, vocab); with
-    gradient each is kept."""
+    `entropy` (B, T), -sum_v p_v log p_v in nats, no gradient. The LM head (float32; bf16 in DeepSpeed's bf16 engine)
+    runs on the B x T positions predicting response tokens (Q-1+t predicts Q+t, Q = `context_length`), `chunk_entries`
+    logits at a time, never (B, T, vocab); with gradient each is kept."""
     backbone = getattr(model, model.base_model_prefix)
     hidden = backbone(input_ids=query_responses, attention_mask=attention_mask,
                       position_ids=position_ids_from_mask(attention_mask), use_cache=False).last_hidden_state
@@ -257,8 +256,7 @@ def evaluate(accelerator, models, reward_fns, tokenizer, eval_queries, args, sto
     """Sample and score (`compute_scores`) the fixed held-out queries' responses with a fixed seed, `models` = (policy,
     ref_policy, value_model), `reward_fns` = (reward, judge or None); returns metrics over all processes and this
     process's (query, response, score) rows. Metrics: eval/kl as objective/kl; eval/scores the bare reward
-    (`batch_metrics`); eval/gold_scores the judge's (--eval_reward_fn);
-    `diversity`'s."""
+    (`batch_metrics`); eval/gold_scores the judge's (--eval_reward_fn); `diversity`'s."""
     query_ids, query_mask = (t.to(accelerator.device) for t in eval_queries)
     # autocast: sampled and scored in the training forward's precision (accelerate autocasts only that), ratio 1 at lr 0
     with torch.random.fork_rng(devices=[accelerator.device] if accelerator.device.type == "cuda" else []), \
@@ -456,6 +454,7 @@ def ppo_epochs(accelerator, model, optimizer, scheduler, rollouts, args, update)
         for mb in range(M):
             microbatches = [order[mb * slice_rows : (mb + 1) * slice_rows].to(accelerator.device) + u * column_rows
                             for u, order in enumerate(my_orders)]
+            # The minibatch's real tokens, all microbatches and processes: each microbatch's loss sum is divided by it.
             n_tokens = accelerator.reduce(sum(rollouts["mask"][idx].sum() for idx in microbatches), reduction="sum")
             for u, idx in enumerate(microbatches):
                 mb_data = {k: v[idx] for k, v in rollouts.items()}
